@@ -1,0 +1,226 @@
+"""The `coli` command line. Bad input ends in one clear line on stderr and a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from core.errors import ColiError
+
+EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other error
+        self.exit(EXIT_ERROR, f"coli: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("colibri")
+    except Exception:
+        return "0+unknown"
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ColiError(f"--ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ColiError("--ids is empty")
+    return ids
+
+
+def _add_model(p, required=False):
+    p.add_argument("--model", metavar="DIR", required=required, default=os.environ.get("COLI_MODEL"),
+                   help="a converted colibrì container (default: $COLI_MODEL)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="coli", description="colibrì: run Mixture-of-Experts models bigger than RAM.")
+    ap.add_argument("--version", action="version", version=f"colibri {_version()}")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser)
+
+    p = sub.add_parser("convert", help="convert a Hugging Face model directory into a container")
+    p.add_argument("src", metavar="SRC", help="local Hugging Face model directory")
+    p.add_argument("out", metavar="OUT", help="output container directory")
+    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=4,
+                   help="4: int4 experts/attention (default); 8: int8; 16: nothing quantized")
+    p.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
+
+    p = sub.add_parser("run", help="generate text (or token ids) from a prompt")
+    _add_model(p)
+    p.add_argument("prompt", nargs="?", metavar="PROMPT")
+    p.add_argument("--ids", help="comma-separated prompt token ids instead of PROMPT")
+    p.add_argument("--raw", action="store_true", help="do not wrap PROMPT in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when TEXT is generated (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    p = sub.add_parser("logits", help="teacher-forced logits for token ids, saved as .npy")
+    _add_model(p, required=True)
+    p.add_argument("--ids", required=True, help="comma-separated token ids")
+    p.add_argument("--out", required=True, metavar="FILE.npy")
+
+    p = sub.add_parser("info", help="describe a container")
+    _add_model(p)
+    p.add_argument("--json", action="store_true")
+    return ap
+
+
+def _need_model(args) -> str:
+    if not args.model:
+        raise ColiError("no model given: pass --model DIR (a container made by `coli convert`) "
+                        "or set COLI_MODEL")
+    return args.model
+
+
+def cmd_convert(args) -> int:
+    from core.converter import convert
+    from models import validate_config
+
+    progress = None
+    bar = None
+    if sys.stderr.isatty():
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                       TimeRemainingColumn(), transient=True)
+        task = bar.add_task("converting", total=None)
+        bar.start()
+
+        def progress(p):
+            bar.update(task, completed=p.done_bytes, total=p.total_bytes,
+                       description=f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")
+    try:
+        out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size,
+                      validate_config=validate_config, progress=progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+    size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+    print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from core.events import Done, Stats, Token
+    from core.sampling import SamplingParams
+    from models import open_model
+
+    if (args.prompt is None) == (args.ids is None):
+        raise ColiError("give either PROMPT or --ids")
+    if args.max_new_tokens < 0:
+        raise ColiError("--max-new-tokens must be >= 0")
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  seed=args.seed, greedy=args.greedy)
+    except ValueError as e:
+        raise ColiError(str(e)) from None
+    engine = open_model(_need_model(args), threads=args.threads)
+    prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
+    stats = None
+    for ev in engine.generate(prompt, sampling, stop=args.stop, max_new_tokens=args.max_new_tokens,
+                              raw=args.raw):
+        if isinstance(ev, Token) and not args.json:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, Stats):
+            stats = ev
+        elif isinstance(ev, Done) and not args.json:
+            sys.stdout.write("\n")
+    d = stats.as_dict()
+    ids, text = d.pop("ids"), d.pop("text")
+    if args.json:
+        print(json.dumps({"ids": ids, "text": text, "stats": d}))
+    else:
+        print(f"[{d['new_tokens']} tokens, prefill {d['prefill_tok_s']:.1f} tok/s, "
+              f"decode {d['decode_tok_s']:.1f} tok/s, stop: {d['reason']}]", file=sys.stderr)
+    return 0
+
+
+def cmd_logits(args) -> int:
+    import numpy as np
+
+    from models import open_model
+
+    ids = _parse_ids(args.ids)
+    out = Path(args.out)
+    if not out.parent.exists():
+        raise ColiError(f"--out: directory {out.parent} does not exist")
+    logits = open_model(args.model, threads=args.threads).logits(ids)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, logits.astype(np.float32))
+    os.replace(tmp, out)
+    print(f"wrote {out} {tuple(logits.shape)}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from core import kernels
+    from core.container import Container
+    from models import family_for
+
+    c = Container(_need_model(args))
+    spec = family_for(c.config).spec(c.config)
+    expert_bytes = sum(l.end - l.start for l in c.experts.values())
+    total = sum(f.path.stat().st_size for f in c.files)
+    info = {
+        "path": str(c.path), "model_type": c.config.get("model_type"),
+        "layers": spec.num_layers, "experts": spec.num_experts, "top_k": spec.top_k,
+        "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+        "quantization": c.manifest.get("classes"),
+        "bytes_total": total, "bytes_experts": expert_bytes, "bytes_dense": total - expert_bytes,
+        "kernels": kernels.backend(), "openmp": kernels.openmp_enabled(),
+        "threads": kernels.get_threads(),
+    }
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for k, v in info.items():
+            print(f"{k:>14}: {v}")
+    return 0
+
+
+COMMANDS = {"convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 0
+    try:
+        if getattr(args, "threads", None) is not None and args.threads < 1:
+            raise ColiError("--threads must be >= 1")
+        return COMMANDS[args.command](args)
+    except ColiError as e:
+        print(f"coli: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("coli: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug: still one line, the traceback only on request
+        if os.environ.get("COLI_DEBUG"):
+            raise
+        print(f"coli: internal error: {e.__class__.__name__}: {e} (set COLI_DEBUG=1 for details)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The colibrì container: a directory of safetensors shards plus a ``colibri.json`` manifest.
+
+Tensor names are the source's. A quantized tensor NAME is U8 ``NAME`` + F32 ``NAME.qs`` (see
+``core.quant``); the manifest's ``tensors`` map gives each quantized tensor's scheme, logical shape
+and group size. Each routed expert's tensors form one contiguous byte range of one shard, so the
+expert store fetches an expert with one read.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ColiError
+from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, to_float32
+
+MANIFEST = "colibri.json"
+FORMAT = "colibri"
+FORMAT_VERSION = 1
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def tensor_place(name: str) -> tuple[int | None, int | None]:
+    """(layer, routed expert) a tensor belongs to, from the Hugging Face naming convention."""
+    lm = _LAYER.search(name)
+    em = _EXPERT.search(name)
+    return (int(lm.group(1)) if lm else None, int(em.group(1)) if em and lm else None)
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    scheme: str                 # 'int4' | 'int8'
+    shape: tuple[int, int]      # logical [O, I]
+    group_size: int = 0
+
+
+@dataclass
+class Weight:
+    """A matrix or vector in RAM: dense float32, or quantized bytes + scales."""
+    scheme: str                 # 'dense' | 'int4' | 'int8'
+    shape: tuple[int, ...]
+    data: np.ndarray
+    scales: np.ndarray | None = None
+    group_size: int = 0
+
+
+@dataclass
+class ExpertLocation:
+    shard: SafetensorsFile
+    start: int
+    end: int
+    # suffix after "experts.E." -> (full tensor name, info with absolute offsets)
+    parts: dict[str, tuple[str, TensorInfo]] = field(default_factory=dict)
+
+
+def weight_from_bytes(info: TensorInfo, raw: memoryview | bytes, qinfo: QuantInfo | None,
+                      scales_info: TensorInfo | None = None, scales_raw=None) -> Weight:
+    """Build a Weight over bytes already in RAM (no copy for U8/F32 data)."""
+    arr = np.frombuffer(raw, dtype=DTYPES[info.dtype]).reshape(info.shape)
+    if qinfo is None:
+        if info.dtype != "F32":
+            arr = to_float32(arr, info.dtype)
+        return Weight("dense", info.shape, arr)
+    scales = np.frombuffer(scales_raw, dtype=np.float32).reshape(scales_info.shape)
+    return Weight(qinfo.scheme, qinfo.shape, arr, scales, qinfo.group_size)
+
+
+class Container:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not self.path.is_dir():
+            raise ColiError(f"{self.path}: no such model directory")
+        if not mpath.exists():
+            raise ColiError(f"{self.path} is not a colibrì container (no {MANIFEST}); "
+                            f"convert it first with `coli convert`")
+        try:
+            self.manifest = json.loads(mpath.read_text())
+            self.config = json.loads((self.path / "config.json").read_text())
+        except FileNotFoundError as e:
+            raise ColiError(f"{self.path}: missing {Path(e.filename).name}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ColiError(f"{self.path}: invalid JSON in {MANIFEST} or config.json ({e})") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("format_version") != FORMAT_VERSION:
+            raise ColiError(f"{self.path}: unsupported container format "
+                            f"{self.manifest.get('format')} v{self.manifest.get('format_version')}")
+        self.quant: dict[str, QuantInfo] = {
+            n: QuantInfo(q["scheme"], tuple(q["shape"]), q.get("group_size", 0))
+            for n, q in self.manifest.get("tensors", {}).items()}
+        self.files: list[SafetensorsFile] = []
+        self.index: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
+        for shard in self.manifest["shards"]:
+            p = self.path / shard
+            if not p.exists():
+                raise ColiError(f"{self.path}: shard {shard} is missing")
+            f = SafetensorsFile(p)
+            self.files.append(f)
+            for name, info in f.tensors.items():
+                self.index[name] = (f, info)
+        self.experts = self._locate_experts()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def names(self):
+        return self.index.keys()
+
+    def _locate_experts(self) -> dict[tuple[int, int], ExpertLocation]:
+        found: dict[tuple[int, int], ExpertLocation] = {}
+        for name, (f, info) in self.index.items():
+            layer, expert = tensor_place(name)
+            if expert is None:
+                continue
+            loc = found.setdefault((layer, expert), ExpertLocation(f, info.start, info.end))
+            if loc.shard is not f:
+                raise ColiError(f"{self.path}: expert {layer}/{expert} spans two shards")
+            loc.start, loc.end = min(loc.start, info.start), max(loc.end, info.end)
+            loc.parts[name.split(f".experts.{expert}.", 1)[1]] = (name, info)
+        for (layer, expert), loc in found.items():
+            if loc.end - loc.start != sum(i.nbytes for _, i in loc.parts.values()):
+                raise ColiError(f"{self.path}: expert {layer}/{expert} is not contiguous in its shard")
+        return found
+
+    def load(self, name: str) -> Weight:
+        """Read one (possibly quantized) tensor into RAM."""
+        try:
+            f, info = self.index[name]
+        except KeyError:
+            raise ColiError(f"{self.path}: tensor {name} is missing from the container") from None
+        q = self.quant.get(name)
+        if q is None:
+            return weight_from_bytes(info, f.pread(info.nbytes, info.start), None)
+        sf, sinfo = self.index[name + ".qs"]
+        return weight_from_bytes(info, f.pread(info.nbytes, info.start), q, sinfo,
+                                 sf.pread(sinfo.nbytes, sinfo.start))
+
+    def expert_weights(self, layer: int, expert: int, blob) -> dict[str, Weight]:
+        """Split one expert's bytes (read with a single pread of its range) into Weights keyed
+        by the suffix after ``experts.E.`` (e.g. ``gate_proj.weight``)."""
+        loc = self.experts[(layer, expert)]
+        view = memoryview(blob)
+
+        def part(info: TensorInfo):
+            return view[info.start - loc.start: info.end - loc.start]
+
+        out: dict[str, Weight] = {}
+        for suffix, (full, info) in loc.parts.items():
+            if suffix.endswith(".qs"):
+                continue
+            q = self.quant.get(full)
+            sinfo = loc.parts[suffix + ".qs"][1] if q is not None else None
+            out[suffix] = weight_from_bytes(info, part(info), q, sinfo,
+                                            part(sinfo) if sinfo is not None else None)
+        return out
+
+    def read_expert(self, layer: int, expert: int) -> bytearray:
+        loc = self.experts[(layer, expert)]
+        return loc.shard.pread(loc.end - loc.start, loc.start)

@@ -1,0 +1,261 @@
+"""The family-agnostic MoE decoder: attention with a KV cache, a softmax top-k router, SwiGLU
+experts served by an expert store, and the generation loop.
+
+All activations are float32. Weights come from the container as dense float32 or int4/int8
+(computed by ``core.kernels``). The families only fill in an ``ArchSpec``; tensor names follow the
+Hugging Face convention shared by the supported families.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from . import kernels
+from .arch import ArchSpec
+from .container import Container, Weight
+from .errors import ColiError
+from .events import Done, Stats, Token
+from .memory import peak_rss_bytes
+from .rope import Rope
+from .sampling import Sampler, SamplingParams
+from .store import ExpertFFN, ExpertStore, ResidentStore
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-x)))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
+    return kernels.matmul(silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up), ffn.down)
+
+
+class KVCache:
+    def __init__(self, spec: ArchSpec):
+        self.k = [np.empty((0, spec.num_kv_heads, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+        self.v = [np.empty((0, spec.num_kv_heads, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+        self.length = 0     # positions committed (all layers)
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k/v for positions [length, length+T) and return views over [0, length+T)."""
+        n = self.length + k.shape[0]
+        if self.k[layer].shape[0] < n:
+            cap = max(n, 2 * self.k[layer].shape[0], 64)
+            for store in (self.k, self.v):
+                grown = np.empty((cap,) + store[layer].shape[1:], np.float32)
+                grown[: self.length] = store[layer][: self.length]
+                store[layer] = grown
+        self.k[layer][self.length: n] = k
+        self.v[layer][self.length: n] = v
+        return self.k[layer][:n], self.v[layer][:n]
+
+
+class _Layer:
+    """One decoder layer's dense (always resident) weights."""
+
+    def __init__(self, c: Container, spec: ArchSpec, i: int):
+        p = f"model.layers.{i}."
+        vec = lambda n: kernels.vector(c.load(p + n))
+        opt = lambda n: kernels.vector(c.load(p + n)) if (p + n) in c else None
+        self.input_norm = vec("input_layernorm.weight")
+        self.post_norm = vec("post_attention_layernorm.weight")
+        self.q, self.k, self.v, self.o = (c.load(p + f"self_attn.{n}_proj.weight") for n in "qkvo")
+        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (opt(f"self_attn.{n}_proj.bias") for n in "qkvo")
+        self.q_norm = opt("self_attn.q_norm.weight")
+        self.k_norm = opt("self_attn.k_norm.weight")
+        if spec.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
+            raise ColiError(f"layer {i}: q_norm/k_norm weights are missing from the container")
+        self.kind = spec.mlp_kinds[i]
+        if self.kind == "moe":
+            self.router = kernels.vector(c.load(p + "mlp.gate.weight"))
+            if self.router.shape != (spec.num_experts, spec.hidden_size):
+                raise ColiError(f"layer {i}: router shape {self.router.shape} does not match the config")
+        else:
+            self.mlp = ExpertFFN(*(c.load(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")))
+        self.window = spec.sliding_windows[i] if spec.sliding_windows else None
+
+
+def _linear(x, w: Weight, bias):
+    y = kernels.matmul(x, w)
+    return y + bias if bias is not None else y
+
+
+class Engine:
+    def __init__(self, container: Container, spec: ArchSpec, store: ExpertStore | None = None,
+                 tokenizer=None, threads: int | None = None):
+        self.container, self.spec, self.tokenizer = container, spec, tokenizer
+        kernels.set_threads(threads)
+        c = container
+        self.embed = c.load("model.embed_tokens.weight")
+        if self.embed.shape[0] != spec.vocab_size:
+            raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
+        if spec.tie_word_embeddings or "lm_head.weight" not in c:
+            self.head = self.embed
+        else:
+            self.head = c.load("lm_head.weight")
+        self.final_norm = kernels.vector(c.load("model.norm.weight"))
+        self.layers = [_Layer(c, spec, i) for i in range(spec.num_layers)]
+        self.store = store if store is not None else ResidentStore(c)
+        for i, layer in enumerate(self.layers):
+            if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
+                raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
+        self.rope = Rope(c.config, spec.head_dim)
+        self.scale = np.float32(spec.head_dim ** -0.5)
+        self._cancel = threading.Event()
+
+    # --- the forward pass ----------------------------------------------------------------------
+    def _attention(self, i: int, L: _Layer, h, cos, sin, cache: KVCache, pos: np.ndarray):
+        s, T = self.spec, h.shape[0]
+        q, k, v = _linear(h, L.q, L.q_bias), _linear(h, L.k, L.k_bias), _linear(h, L.v, L.v_bias)
+        if s.qk_norm == "full":
+            q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
+        if s.clip_qkv is not None:
+            c = np.float32(s.clip_qkv)
+            q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+        q = q.reshape(T, s.num_heads, s.head_dim)
+        k = k.reshape(T, s.num_kv_heads, s.head_dim)
+        v = v.reshape(T, s.num_kv_heads, s.head_dim)
+        if s.qk_norm == "per_head":
+            q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
+        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        keys, values = cache.append(i, k, v)
+        G = s.num_heads // s.num_kv_heads
+        qg = q.reshape(T, s.num_kv_heads, G, s.head_dim).transpose(1, 2, 0, 3)       # [kv, G, T, D]
+        scores = np.matmul(qg, keys.transpose(1, 2, 0)[:, None]) * self.scale                  # [kv, G, T, S]
+        kpos = np.arange(keys.shape[0])
+        allowed = kpos[None, :] <= pos[:, None]
+        if L.window is not None:
+            allowed &= kpos[None, :] > pos[:, None] - L.window
+        scores = np.where(allowed[None, None], scores, -np.inf)
+        probs = softmax(scores).astype(np.float32)
+        out = np.matmul(probs, values.transpose(1, 0, 2)[:, None])                             # [kv, G, T, D]
+        out = out.transpose(2, 0, 1, 3).reshape(T, s.num_heads * s.head_dim)
+        return _linear(out, L.o, L.o_bias)
+
+    def route(self, L: _Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k experts and their weights for each row of h (softmax over all experts first)."""
+        probs = softmax(h @ L.router.T)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, : self.spec.top_k]
+        weights = np.take_along_axis(probs, top, axis=1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(axis=1, keepdims=True)
+        return top, weights.astype(np.float32)
+
+    def _moe(self, i: int, L: _Layer, h: np.ndarray) -> np.ndarray:
+        top, weights = self.route(L, h)
+        contrib = np.zeros((h.shape[0], top.shape[1], h.shape[1]), np.float32)
+        # Each unique expert of the batch is fetched once; results land in fixed (token, rank)
+        # slots and are summed in rank order, so arrival order cannot change the output.
+        for e, ffn in self.store.request(i, np.unique(top).tolist()):
+            rows, ranks = np.nonzero(top == e)
+            contrib[rows, ranks] = expert_ffn(h[rows], ffn) * weights[rows, ranks][:, None]
+        out = contrib[:, 0]
+        for r in range(1, top.shape[1]):
+            out = out + contrib[:, r]
+        return out
+
+    def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
+            raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
+        s = self.spec
+        x = kernels.rows(self.embed, ids)
+        pos = np.arange(cache.length, cache.length + len(ids))
+        cos, sin = self.rope.cos_sin(pos)
+        for i, L in enumerate(self.layers):
+            x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
+            h = rms_norm(x, L.post_norm, s.rms_norm_eps)
+            x = x + (self._moe(i, L, h) if L.kind == "moe" else expert_ffn(h, L.mlp))
+        cache.length += len(ids)
+        x = rms_norm(x if all_logits else x[-1:], self.final_norm, s.rms_norm_eps)
+        return kernels.matmul(x, self.head)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits, float32 [T, vocab], from one batched pass."""
+        return self.forward(ids, KVCache(self.spec), all_logits=True)
+
+    # --- generation ----------------------------------------------------------------------------
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def prompt_ids(self, prompt: str | list[dict] | Sequence[int], raw: bool = False) -> list[int]:
+        if isinstance(prompt, (list, tuple, np.ndarray)) and (len(prompt) == 0 or not isinstance(prompt[0], dict)):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ColiError(f"{self.container.path} has no tokenizer.json; pass token ids (--ids)")
+        if isinstance(prompt, str):
+            if raw:
+                return self.tokenizer.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        try:
+            return self.tokenizer.encode_chat(list(prompt), add_generation_prompt=True)
+        except ValueError as e:
+            raise ColiError(f"chat template: {e}") from None
+
+    def generate(self, prompt, sampling: SamplingParams | None = None, stop: Iterable[str] = (),
+                 max_new_tokens: int = 256, raw: bool = False) -> Iterator[Token | Stats | Done]:
+        sampling = sampling or SamplingParams()
+        ids = self.prompt_ids(prompt, raw=raw)
+        if not ids:
+            raise ColiError("empty prompt")
+        self._cancel.clear()
+        sample, cache = Sampler(sampling), KVCache(self.spec)
+        stops = [s for s in stop if s]
+        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+        eos = set(self.spec.eos_token_ids)
+        t0 = time.perf_counter()
+        logits = self.forward(ids, cache)[-1]
+        t_prefill = time.perf_counter() - t0
+        new, text, emitted, reason = [], "", 0, "length"
+        t_decode = time.perf_counter()
+        while len(new) < max_new_tokens:
+            if self._cancel.is_set():
+                reason = "cancelled"
+                break
+            tok = sample(logits)
+            if tok in eos:
+                reason = "eos"
+                break
+            new.append(tok)
+            piece = decoder.push(tok) if decoder is not None else ""
+            text += piece
+            hit = min((text.find(s) for s in stops if s in text), default=-1)
+            if hit >= 0:
+                text, reason = text[:hit], "stop"
+                yield Token(tok, text[emitted:])
+                emitted = len(text)
+                break
+            # hold back a tail that could still become a stop string
+            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            yield Token(tok, text[emitted: len(text) - hold])
+            emitted = len(text) - hold
+            if len(new) >= max_new_tokens:
+                break
+            logits = self.forward([tok], cache)[-1]
+        if reason != "stop":
+            text += decoder.flush() if decoder is not None else ""
+            if emitted < len(text):
+                yield Token(-1, text[emitted:])     # held-back tail, no new token
+        elapsed = time.perf_counter() - t_decode
+        stats = Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,
+                      prefill_tok_s=len(ids) / t_prefill if t_prefill > 0 else 0.0,
+                      decode_tok_s=(len(new) - 1) / elapsed if len(new) > 1 and elapsed > 0 else 0.0,
+                      hit_rate=1.0, bytes_read=0, peak_rss_bytes=peak_rss_bytes(),
+                      extra={"ids": new, "text": text, "reason": reason, "kernels": kernels.backend(),
+                             "threads": kernels.get_threads()})
+        yield stats
+        yield Done(reason)

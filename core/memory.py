@@ -1,0 +1,21 @@
+"""Process memory figures, portable across Linux, macOS and Windows."""
+from __future__ import annotations
+
+import sys
+
+import psutil
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    try:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except ImportError:  # Windows
+        info = psutil.Process().memory_info()
+        return int(getattr(info, "peak_wset", info.rss))
+
+
+def rss_bytes() -> int:
+    return int(psutil.Process().memory_info().rss)

@@ -1,0 +1,54 @@
+"""Choosing the next token: greedy, or temperature -> top-k -> top-p (the order transformers uses)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.7
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0      # 1 = off
+    seed: int | None = None
+    greedy: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top-k must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = self.params
+        if p.is_greedy:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / p.temperature
+        if p.top_k and p.top_k < z.size:
+            kth = np.partition(z, -p.top_k)[-p.top_k]
+            z = np.where(z < kth, -np.inf, z)
+        z -= z.max()
+        probs = np.exp(z)
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            keep = cum - probs[order] < p.top_p     # smallest set whose mass reaches top_p
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[order[keep]] = True
+            probs = np.where(mask, probs, 0.0)
+            probs /= probs.sum()
+        return int(self.rng.choice(probs.size, p=probs))

@@ -1,0 +1,27 @@
+"""model_type -> family. A family is one file in models/ that turns config.json into an ArchSpec."""
+from __future__ import annotations
+
+from core.errors import ColiError
+from core.rope import Rope
+
+from .olmoe import Olmoe
+from .qwen3_moe import Qwen3Moe
+
+FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe)}
+
+
+def supported_types() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def family_for(config: dict):
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ColiError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported_types())})")
+    return FAMILIES[model_type]
+
+
+def validate_config(config: dict) -> None:
+    """Refuse, before any work, a config we could not run (used by the converter)."""
+    spec = family_for(config).spec(config)
+    Rope(config, spec.head_dim)
