@@ -26,7 +26,8 @@ from .container import FORMAT, FORMAT_VERSION, MANIFEST, tensor_place
 from .errors import ColiError
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
 
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
+PEAK_BOUND_BLOCKS = 8        # peak extra memory stays under this many blocks (tested)
 JOURNAL = ".coli_convert.json"
 LOCK = ".coli_convert.lock"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

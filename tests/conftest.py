@@ -1,0 +1,105 @@
+"""Shared test helpers: tiny Hugging Face-format MoE checkpoints written without torch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.safetensors_io import SafetensorsWriter, bf16_from_float32
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--oracle-fresh", action="store_true",
+                     help="regenerate the oracle fixtures with fresh seeds (needs the oracle extra) "
+                          "and check against those instead of the committed ones")
+
+
+def tiny_config(model_type: str = "qwen3_moe", **over) -> dict:
+    cfg = dict(model_type=model_type, vocab_size=97, hidden_size=40, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+               rms_norm_eps=1e-6, hidden_act="silu", norm_topk_prob=True, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if model_type == "qwen3_moe":
+        cfg.update(moe_intermediate_size=24, intermediate_size=48, head_dim=12)
+    else:
+        cfg.update(intermediate_size=24)
+    cfg.update(over)
+    return cfg
+
+
+def tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights with the Hugging Face names of the supported families."""
+    rng = np.random.default_rng(seed)
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or H // nh
+    qwen = cfg["model_type"] == "qwen3_moe"
+    inter = cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]
+    w = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)
+    norm = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    t = {"model.embed_tokens.weight": w(V, H), "model.norm.weight": norm(H)}
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = w(V, H)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(H)
+        t[p + "post_attention_layernorm.weight"] = norm(H)
+        t[p + "self_attn.q_proj.weight"] = w(nh * D, H)
+        t[p + "self_attn.k_proj.weight"] = w(nkv * D, H)
+        t[p + "self_attn.v_proj.weight"] = w(nkv * D, H)
+        t[p + "self_attn.o_proj.weight"] = w(H, nh * D)
+        t[p + "self_attn.q_norm.weight"] = norm(D if qwen else nh * D)
+        t[p + "self_attn.k_norm.weight"] = norm(D if qwen else nkv * D)
+        t[p + "mlp.gate.weight"] = w(cfg["num_experts"], H)
+        for e in range(cfg["num_experts"]):
+            q = f"{p}mlp.experts.{e}."
+            t[q + "gate_proj.weight"] = w(inter, H)
+            t[q + "up_proj.weight"] = w(inter, H)
+            t[q + "down_proj.weight"] = w(H, inter)
+    return t
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "F32") -> None:
+    """Write with our writer so BF16 sources can be produced without torch."""
+    entries, data = [], {}
+    for name, a in tensors.items():
+        if dtype == "BF16":
+            entries.append((name, "BF16", a.shape))
+            data[name] = bf16_from_float32(a)
+        else:
+            entries.append((name, "F32", a.shape))
+            data[name] = a
+    w = SafetensorsWriter(path, entries)
+    for name, a in data.items():
+        w.write(name, a)
+    w.commit()
+
+
+def write_hf_model(directory: Path, cfg: dict, tensors: dict[str, np.ndarray] | None = None,
+                   shards: int = 1, dtype: str = "F32", seed: int = 0) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = tensors if tensors is not None else tiny_tensors(cfg, seed)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    if shards == 1:
+        write_safetensors(directory / "model.safetensors", tensors, dtype)
+        return directory
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(shards):
+        fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[k::shards]}
+        write_safetensors(directory / fname, part, dtype)
+        weight_map.update({n: fname for n in part})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+@pytest.fixture
+def tiny_model(tmp_path) -> Path:
+    return write_hf_model(tmp_path / "src", tiny_config())

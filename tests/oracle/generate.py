@@ -1,0 +1,404 @@
+"""Build tiny random OLMoE / Qwen3-MoE models with transformers and store reference outputs.
+
+Run from the repository root:
+
+    python -m tests.oracle.generate --out tests/oracle/fixtures [--seed 0] [--only NAME]
+
+For every config in ``CONFIGS`` this writes ``OUT/NAME/``:
+
+* ``model/``          save_pretrained output (config.json, generation_config.json, safetensors;
+                      per-expert tensor names ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``;
+                      configs with ``shard=True`` are written as 2+ shards plus an index;
+                      configs with ``hub_style=True`` get config.json rewritten the way Hub
+                      checkpoints spell it: top-level rope_theta, num_experts, torch_dtype).
+* ``reference.npz``   ids [32] int64, logits_orig / logits_q4 / logits_q8 [32, vocab] float32,
+                      greedy_orig / greedy_q4 [20] int64 (greedy continuation of ids[:8]),
+                      greedy_orig_margin / greedy_q4_margin [20] float32 (top1 - top2 logit per step),
+                      moe_layers [n] int64 (indices of sparse layers),
+                      router_logits_orig [n, 32, num_experts] float32 (router logits of those layers).
+* ``meta.json``       the key config fields and a few statistics (argmax agreement, routing spread).
+
+``logits_qN`` is the model with every saved tensor replaced by what colibrì's ``--bits N``
+container dequantizes it to (see ``core.quant.scheme_for``): int4 group-64, int8 per row, or
+float32 unchanged. The substitution is done on the saved (per-expert) tensor names, and the
+quantized model is loaded back through ``from_pretrained``; a round trip checks that the loaded
+model's saved tensors equal the dequantized ones exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+
+from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_for
+
+GROUP_SIZE = 64
+OUT_GAIN = 1.0        # std multiplier for o_proj / down_proj (write into the residual stream)
+OUT_GAIN_TIED = 2.0   # larger in tied models, see _reinit
+N_IDS = 32
+N_PROMPT = 8
+N_GREEDY = 20
+
+
+def _rope(theta: float) -> dict:
+    return {"rope_type": "default", "rope_theta": float(theta)}
+
+
+# Key facts per config (H = hidden, nh/nkv = heads, I = expert intermediate, E/k = experts/top-k):
+#   olmoe-a     H72  nh6 nkv6 (MHA)  I40  E8  k2 norm_topk=F  3 layers, vocab 331
+#   olmoe-b     H96  nh4 nkv2 (GQA)  I20  E16 k8 norm_topk=T  clip_qkv=1.5, sharded, vocab 333
+#   olmoe-c     H136 nh4 nkv1 (MQA)  I66  E4  k1 norm_topk=T  attention_bias, hub-style config.json
+#   olmoe-d     H80  nh5 nkv5 (MHA)  I45  E8  k4 norm_topk=F  tied embeddings (odd I)
+#   qwen3moe-a  H72  nh4 nkv2 (GQA)  I39  E8  k2 norm_topk=T  sharded (odd I)
+#   qwen3moe-b  H96  nh4 nkv4 (MHA)  I24  E10 k8 norm_topk=F  head_dim=40 (!= 24), attention_bias
+#   qwen3moe-c  H104 nh4 nkv1 (MQA)  I36  E4  k1 norm_topk=F  3 layers, mlp_only_layers=[1] (dense I 100),
+#                                                             hub-style config.json
+#   qwen3moe-d  H80  nh8 nkv2 (GQA)  I42  E12 k4 norm_topk=T  3 layers, decoder_sparse_step=2 (dense
+#                                                             I 88), tied embeddings
+CONFIGS: list[dict] = [
+    dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
+        vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=6, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, rope_parameters=_rope(10000.0), rms_norm_eps=1e-5)),
+    dict(name="olmoe-b", family="olmoe", shard=True, cfg=dict(
+        vocab_size=333, hidden_size=96, intermediate_size=20, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=8,
+        norm_topk_prob=True, clip_qkv=1.5, rope_parameters=_rope(50000.0), rms_norm_eps=1e-6)),
+    dict(name="olmoe-c", family="olmoe", shard=False, hub_style=True, cfg=dict(
+        vocab_size=317, hidden_size=136, intermediate_size=66, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, num_experts=4, num_experts_per_tok=1,
+        norm_topk_prob=True, attention_bias=True, rope_parameters=_rope(500.0), rms_norm_eps=1e-5)),
+    dict(name="olmoe-d", family="olmoe", shard=False, cfg=dict(
+        vocab_size=487, hidden_size=80, intermediate_size=45, num_hidden_layers=2,
+        num_attention_heads=5, num_key_value_heads=5, num_experts=8, num_experts_per_tok=4,
+        norm_topk_prob=False, tie_word_embeddings=True, rope_parameters=_rope(1_000_000.0),
+        rms_norm_eps=1e-5)),
+    dict(name="qwen3moe-a", family="qwen3_moe", shard=True, cfg=dict(
+        vocab_size=301, hidden_size=72, intermediate_size=88, moe_intermediate_size=39,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, rope_parameters=_rope(1_000_000.0),
+        rms_norm_eps=1e-6)),
+    dict(name="qwen3moe-b", family="qwen3_moe", shard=False, cfg=dict(
+        vocab_size=331, hidden_size=96, intermediate_size=120, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=40,
+        num_experts=10, num_experts_per_tok=8, norm_topk_prob=False, attention_bias=True,
+        rope_parameters=_rope(10000.0), rms_norm_eps=1e-6)),
+    dict(name="qwen3moe-c", family="qwen3_moe", shard=False, hub_style=True, cfg=dict(
+        vocab_size=317, hidden_size=104, intermediate_size=100, moe_intermediate_size=36,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=1, norm_topk_prob=False, mlp_only_layers=[1],
+        rope_parameters=_rope(25000.0), rms_norm_eps=1e-5)),
+    dict(name="qwen3moe-d", family="qwen3_moe", shard=False, cfg=dict(
+        vocab_size=353, hidden_size=80, intermediate_size=88, moe_intermediate_size=42,
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, num_experts=12,
+        num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=2,
+        tie_word_embeddings=True, rope_parameters=_rope(500_000.0), rms_norm_eps=1e-6)),
+]
+
+_COMMON = dict(max_position_embeddings=128, bos_token_id=0, eos_token_id=2, pad_token_id=1,
+               hidden_act="silu")
+
+
+def _classes(family: str):
+    if family == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+        return OlmoeConfig, OlmoeForCausalLM
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        return Qwen3MoeConfig, Qwen3MoeForCausalLM
+    raise ValueError(family)
+
+
+def _hub_style_config(model_dir: str) -> None:
+    """Rewrite config.json the way checkpoints on the Hub spell it (transformers 4.x era).
+
+    transformers 5 writes ``rope_parameters: {rope_type, rope_theta}``, ``dtype`` and, for
+    Qwen3-MoE, ``num_local_experts``; published OLMoE / Qwen3-MoE checkpoints have top-level
+    ``rope_theta`` + ``rope_scaling: null``, ``torch_dtype`` and ``num_experts`` (Qwen3-MoE also
+    ``max_window_layers``, unused by the modeling code). transformers reads both; so must an engine.
+    """
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    rope = cfg.pop("rope_parameters")
+    assert rope.get("rope_type", "default") == "default" and set(rope) <= {"rope_type", "rope_theta"}
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["rope_scaling"] = None
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+        cfg["max_window_layers"] = cfg["num_hidden_layers"]
+    with open(path, "w") as f:
+        json.dump(dict(sorted(cfg.items())), f, indent=2)
+        f.write("\n")
+
+
+def _load_kwargs() -> dict:
+    return dict(attn_implementation="eager", experts_implementation="eager", dtype=torch.float32)
+
+
+def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Re-initialise every parameter so that activations stay O(1) but logits/routing are peaked.
+
+    Linear weights get std = gain / sqrt(fan_in) (fan_in = last dim), so every projection maps
+    unit-RMS inputs to unit-scale outputs: gain 1 for q/k/v, gate/up and (untied) o/down; 3 for
+    the router (varied, confident routing); 4 for an untied lm_head (logit std ~4).
+    Embeddings are N(0, 1) untied. Tied models use embeddings N(0, 4/sqrt(H)) (logit std ~4) and
+    gain 2 for o/down: with the small embedding and gain 1 the residual stream stays dominated by
+    the input token's own embedding and the tied head mostly predicts the input token again.
+    Norm weights are 1 + N(0, 0.1), biases N(0, 0.2).
+    (Plain N(0, 0.5) everywhere blows activations up by sqrt(fan_in) per matmul; HF's own init
+    (std 0.02) gives near-uniform logits and routing.)
+    """
+    def normal(shape, std, mean=0.0):
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+
+    tied = bool(model.config.tie_word_embeddings)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            fan_in = p.shape[-1]
+            if "norm" in parent:
+                p.copy_(normal(p.shape, 0.1, 1.0))
+            elif leaf == "bias":
+                p.copy_(normal(p.shape, 0.2))
+            elif "embed_tokens" in name:
+                p.copy_(normal(p.shape, 4.0 / hidden ** 0.5 if tied else 1.0))
+            elif name.startswith("lm_head"):
+                p.copy_(normal(p.shape, 4.0 / fan_in ** 0.5))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(normal(p.shape, 3.0 / fan_in ** 0.5))
+            elif "o_proj" in name or "down_proj" in name:
+                p.copy_(normal(p.shape, (OUT_GAIN_TIED if tied else OUT_GAIN) / fan_in ** 0.5))
+            elif p.ndim in (2, 3):  # q/k/v, gate/up [O, I]; fused experts gate_up [E, 2I, H]
+                p.copy_(normal(p.shape, 1.0 / fan_in ** 0.5))
+            else:
+                raise RuntimeError(f"unhandled parameter {name} {tuple(p.shape)}")
+
+
+def _read_saved(model_dir: str) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for fn in sorted(os.listdir(model_dir)):
+        if fn.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, fn)))
+    return tensors
+
+
+def _qdq(name: str, w: np.ndarray, bits: int) -> np.ndarray:
+    scheme = scheme_for(name, w.ndim, bits)
+    if scheme == "int4":
+        packed, scales = quantize_int4(w, GROUP_SIZE)
+        return dequantize_int4(packed, scales, w.shape[1], GROUP_SIZE)
+    if scheme == "int8":
+        return dequantize_int8(*quantize_int8(w))
+    if scheme in ("f32", "keep"):
+        return np.asarray(w, dtype=np.float32)
+    raise ValueError(scheme)
+
+
+def _quantized_model(model_dir: str, work: str, bits: int, model_cls):
+    """Write a dequantized copy of the saved checkpoint to ``work`` and load it back."""
+    src = _read_saved(model_dir)
+    deq = {name: np.ascontiguousarray(_qdq(name, w, bits)) for name, w in src.items()}
+    qdir = os.path.join(work, f"q{bits}")
+    os.makedirs(qdir)
+    for fn in ("config.json", "generation_config.json"):
+        shutil.copy(os.path.join(model_dir, fn), qdir)
+    save_file(deq, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
+    qmodel = model_cls.from_pretrained(qdir, **_load_kwargs()).eval()
+    # Round trip: the loaded (fused-expert) model must save back exactly the dequantized tensors.
+    rdir = os.path.join(work, f"q{bits}-rt")
+    qmodel.save_pretrained(rdir, safe_serialization=True)
+    back = _read_saved(rdir)
+    if set(back) != set(deq):
+        raise AssertionError(f"round-trip names differ: {sorted(set(back) ^ set(deq))[:8]}")
+    for name, w in deq.items():
+        if not np.array_equal(back[name], w):
+            raise AssertionError(f"round trip mismatch for {name}")
+    return qmodel, src
+
+
+@torch.no_grad()
+def _logits(model, ids: np.ndarray) -> np.ndarray:
+    out = model(input_ids=torch.from_numpy(ids)[None], use_cache=False)
+    return out.logits[0].float().numpy().astype(np.float32)
+
+
+@torch.no_grad()
+def _greedy(model, prompt: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n greedy tokens after ``prompt`` (full forward per step, no eos) and each step's top1-top2 gap."""
+    seq = torch.from_numpy(prompt)[None]
+    new, gaps = [], []
+    for _ in range(n):
+        last = model(input_ids=seq, use_cache=False).logits[0, -1]
+        top2 = torch.topk(last, 2).values
+        nxt = int(last.argmax())
+        new.append(nxt)
+        gaps.append(float(top2[0] - top2[1]))
+        seq = torch.cat([seq, torch.tensor([[nxt]], dtype=seq.dtype)], dim=1)
+    return np.asarray(new, dtype=np.int64), np.asarray(gaps, dtype=np.float32)
+
+
+@torch.no_grad()
+def _router_logits(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(moe layer indices, router logits [n_moe, T, E]) captured with forward hooks on mlp.gate."""
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    for li, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and not isinstance(gate, torch.nn.Linear):  # router, not dense gate_proj
+            hooks.append(gate.register_forward_hook(
+                lambda _m, _i, out, li=li: captured.__setitem__(li, out[0].detach().clone())))
+    try:
+        model(input_ids=torch.from_numpy(ids)[None], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = sorted(captured)
+    if not layers:
+        return np.zeros(0, np.int64), np.zeros((0, len(ids), 0), np.float32)
+    return np.asarray(layers, np.int64), np.stack([captured[i].float().numpy() for i in layers])
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
+
+
+def build_one(spec: dict, out_root: str, seed: int) -> dict:
+    t0 = time.time()
+    name, family = spec["name"], spec["family"]
+    config_cls, model_cls = _classes(family)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    config = config_cls(**{**_COMMON, **spec["cfg"]})
+    model = model_cls._from_config(config, **_load_kwargs()).eval()
+    _reinit(model, gen)
+
+    target = os.path.join(out_root, name)
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    model_dir = os.path.join(target, "model")
+    os.makedirs(model_dir)
+    save_kw = {"safe_serialization": True}
+    if spec["shard"]:
+        save_kw["max_shard_size"] = "400KB"
+    model.save_pretrained(model_dir, **save_kw)
+    if spec.get("hub_style"):
+        _hub_style_config(model_dir)
+    shards = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if spec["shard"] and (len(shards) < 2 or not os.path.exists(
+            os.path.join(model_dir, "model.safetensors.index.json"))):
+        raise AssertionError(f"{name}: expected a sharded checkpoint, got {shards}")
+
+    vocab = config.vocab_size
+    ids = torch.randint(0, vocab, (N_IDS,), generator=gen, dtype=torch.int64).numpy()
+
+    # The reference is what the engine will read: the saved checkpoint loaded back.
+    orig = model_cls.from_pretrained(model_dir, **_load_kwargs()).eval()
+    logits_mem = _logits(model, ids)
+    logits_orig = _logits(orig, ids)
+    if not np.allclose(logits_mem, logits_orig, atol=1e-5, rtol=1e-5):
+        raise AssertionError(f"{name}: save/load (or the hub-style config.json) changed the logits")
+    greedy_orig, gap_orig = _greedy(orig, ids[:N_PROMPT], N_GREEDY)
+    moe_layers, router = _router_logits(orig, ids)
+
+    with tempfile.TemporaryDirectory() as work:
+        q4, saved = _quantized_model(model_dir, work, 4, model_cls)
+        logits_q4 = _logits(q4, ids)
+        greedy_q4, gap_q4 = _greedy(q4, ids[:N_PROMPT], N_GREEDY)
+        q8, _ = _quantized_model(model_dir, work, 8, model_cls)
+        logits_q8 = _logits(q8, ids)
+
+    np.savez_compressed(
+        os.path.join(target, "reference.npz"),
+        ids=ids.astype(np.int64), logits_orig=logits_orig, logits_q4=logits_q4, logits_q8=logits_q8,
+        greedy_q4=greedy_q4, greedy_orig=greedy_orig,
+        greedy_q4_margin=gap_q4, greedy_orig_margin=gap_orig,
+        moe_layers=moe_layers, router_logits_orig=router.astype(np.float32))
+
+    k = config.num_experts_per_tok
+    top1 = router.argmax(-1) if router.size else np.zeros((0, N_IDS), np.int64)
+    topk_sets = [len(np.unique(np.sort(np.argsort(-r, axis=-1)[:, :k], axis=1), axis=0)) for r in router]
+    am = logits_orig.argmax(-1)
+
+    def _gap(x):
+        t = np.sort(x, axis=-1)
+        return float((t[:, -1] - t[:, -2]).min())
+    stats = {
+        "argmax_agree_q4": float((logits_q4.argmax(-1) == am).mean()),
+        "argmax_agree_q8": float((logits_q8.argmax(-1) == am).mean()),
+        "greedy_agree_q4": float((greedy_q4 == greedy_orig).mean()),
+        "max_abs_diff_q4": float(np.abs(logits_q4 - logits_orig).max()),
+        "max_abs_diff_q8": float(np.abs(logits_q8 - logits_orig).max()),
+        "min_top2_gap_orig": _gap(logits_orig),
+        "min_top2_gap_q4": _gap(logits_q4),
+        "min_greedy_gap_q4": float(gap_q4.min()),
+        "argmax_equals_input_frac": float((am == ids).mean()),
+        "unique_greedy_orig": int(len(np.unique(greedy_orig))),
+        "logit_std_min": float(logits_orig.std(-1).min()),
+        "logit_std_mean": float(logits_orig.std(-1).mean()),
+        "unique_argmax": int(len(np.unique(am))),
+        "moe_layers": moe_layers.tolist(),
+        "unique_top1_experts_per_moe_layer": [int(len(np.unique(t))) for t in top1],
+        "unique_topk_sets_per_moe_layer": topk_sets,
+        "shards": shards,
+        "n_saved_tensors": len(saved),
+        "safetensors_bytes": sum(os.path.getsize(os.path.join(model_dir, f)) for f in shards),
+    }
+    meta = {"name": name, "family": family, "model_type": config.model_type,
+            "seed": seed, "sharded": spec["shard"], "hub_style_config": bool(spec.get("hub_style")),
+            "config": spec["cfg"], "stats": stats}
+    with open(os.path.join(target, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    meta["seconds"] = time.time() - t0  # not in meta.json, so reruns are byte-identical
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", action="append", help="config name (repeatable)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    specs = CONFIGS
+    if args.only:
+        known = {s["name"] for s in CONFIGS}
+        bad = [n for n in args.only if n not in known]
+        if bad:
+            ap.error(f"unknown config(s) {bad}; known: {sorted(known)}")
+        specs = [s for s in CONFIGS if s["name"] in args.only]
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    for spec in specs:
+        meta = build_one(spec, args.out, args.seed)
+        s = meta["stats"]
+        print(f"{spec['name']:<11} argmax(q4)==argmax(orig) {s['argmax_agree_q4']:.3f}  "
+              f"[argmax==input {s['argmax_equals_input_frac']:.2f}, min gap q4 {s['min_top2_gap_q4']:.3f}]  "
+              f"q8 {s['argmax_agree_q8']:.3f}  greedy q4 {s['greedy_agree_q4']:.2f}  "
+              f"logit std min {s['logit_std_min']:.2f}  top1 experts/layer "
+              f"{s['unique_top1_experts_per_moe_layer']}  {s['safetensors_bytes'] / 1e6:.2f} MB  "
+              f"{len(s['shards'])} shard(s)  {meta['seconds']:.1f}s", flush=True)
+    print(f"done in {time.time() - t0:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
