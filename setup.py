@@ -76,12 +76,12 @@ class BuildExt(build_ext):
               "WARNING (colibri): the C compiler cannot build OpenMP code; the kernels are\n"
               "built SINGLE-THREADED. For multi-threaded kernels install OpenMP support\n"
               "(Linux: gcc / libgomp or clang + libomp-dev; macOS: `brew install libomp`)\n"
-              "and rebuild.\n" + "*" * 78 + "\n")
+              "and rebuild.\n" + "*" * 78 + "\n", file=sys.stderr)
         return None
 
     def build_extensions(self):
         msvc = self.compiler.compiler_type == "msvc"
-        opt = ["/O2"] if msvc else ["-O3"]
+        opt = ["/O2"] if msvc else ["-O3", "-ffp-contract=off"]
         omp = self._find_openmp()
         for ext in self.extensions:
             ext.extra_compile_args = list(ext.extra_compile_args or []) + opt

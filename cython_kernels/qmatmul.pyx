@@ -3,20 +3,28 @@
 """Quantized matmul kernels (int4 grouped, int8 per row), OpenMP-parallel over output rows.
 
 Formats are those of ``core.quant``. Every output row is computed by exactly one thread, in a
-fixed order that depends neither on the thread count nor on T (decode and prefill give the same
-bits per row), so results are bit-identical for any number of threads:
+fixed order that depends neither on the thread count nor on T (decode, T == 1, and prefill,
+T > 1, give the same bits), so results are bit-identical for any number of threads. setup.py
+compiles with -ffp-contract=off (no FMA fusion), so on gcc/clang the bits follow from the
+source order alone. No numpy C-API is used (numpy is imported at Python level only).
 
-* decode (T == 1) reads the packed row directly; prefill (T > 1) unpacks the row to float
-  (int4: ``nibble - 8``; int8: ``q``) once, into a thread-local buffer, and dots it with every
-  x row, with the same arithmetic;
-* sums run in 16 float32 lanes, in a fixed order (see the inner loops), folded by a fixed tree;
-* int4: every group's lanes are scaled by s[o, g] and added to the row's lanes;
-  int8: y = fold(lanes) * s[o].
-
-No numpy C-API is used (numpy is imported only at Python level, to allocate outputs).
+int4, per output row (all float32):
+  * the row's packed bytes are copied into an aligned thread-local buffer of native uint32
+    words, each group padded to whole words with 0x88 bytes (zero weights);
+  * x is permuted once per call into 8 planes, X[i][k] = x of nibble i of word k (0 where
+    padded), and every word gets its group's scale sw[k];
+  * p[k] = ((((n0 * X0 + n1 * X1) + (n2 * X2 + n3 * X3)) + ((n4 * X4 + n5 * X5) + (n6 * X6 +
+    n7 * X7))) * sw[k], with n_i = nibble i of word k minus 8 (bits 4i..4i+3);
+  * y = 16 lanes (lane l sums p[k] for k % 16 == l, in order), folded by a fixed tree.
+  Prefill unpacks the row once to floats n_i (8 planes) in a thread-local buffer and runs the
+  same expression for every x row.
+int8, per output row: 16 lanes, lane l sums q[j] * x[j] for j % 16 == l in order (a last partial
+chunk is padded with zeros), folded by the same tree, times s[o].
 """
 from cython.parallel cimport prange, threadid
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memset
+from libc.stdint cimport uint32_t
 
 import numpy as np
 
@@ -33,11 +41,24 @@ cdef extern from *:
     """
     int coli_openmp_enabled() noexcept nogil
     int coli_max_threads() noexcept nogil
+    # restrict-qualified output pointer: lets the compiler vectorize without alias checks
+    ctypedef float* f32_rp "float * __restrict"
 
 cdef enum:
     LANES = 16
 
 cdef int _num_threads = 0   # 0: OpenMP default (omp_get_max_threads, i.e. OMP_NUM_THREADS)
+cdef int _byte_of_nibble[8]  # memory byte (0..3) of nibble i (bits 4i..4i+3) of a native word
+
+
+cdef void _init_byte_order() noexcept:
+    cdef uint32_t one = 1
+    cdef bint little = (<unsigned char*>&one)[0] == 1
+    cdef int i
+    for i in range(8):
+        _byte_of_nibble[i] = i // 2 if little else 3 - i // 2
+
+_init_byte_order()
 
 
 def openmp_enabled():
@@ -58,128 +79,169 @@ def get_num_threads():
     return _num_threads if _num_threads > 0 else coli_max_threads()
 
 
-# --- inner loops ------------------------------------------------------------------------------
-# int4 rows are processed "de-interleaved": byte k of a row holds elements 2k (low nibble) and
-# 2k+1 (high nibble); x is split once per call into xe[k] = x[2k] and xo[k] = x[2k+1] (xo is 0
-# past an odd cols), so a byte's two products go to the same lane. Lane l of a group takes the
-# bytes k with (k - first byte of the group) % LANES == l, in order (a last partial chunk is
-# padded with zero weights and zero x, which adds exact zeros); each lane of the group is scaled
-# and added to the row's lane; the row's lanes are folded by a fixed tree at the end.
+cdef int _threads_for(Py_ssize_t rows):
+    cdef int nt = get_num_threads()
+    if nt > rows:
+        nt = <int>rows
+    return nt if nt > 0 else 1
 
-cdef inline float _fold(float* acc) noexcept nogil:
+
+cdef inline Py_ssize_t _up16(Py_ssize_t n) noexcept nogil:
+    return (n + 15) & ~(<Py_ssize_t>15)
+
+
+cdef inline float _fold16(float* acc) noexcept nogil:
     cdef Py_ssize_t l
     for l in range(8):
         acc[l] = acc[l] + acc[l + 8]
     for l in range(4):
         acc[l] = acc[l] + acc[l + 4]
-    return (acc[0] + acc[2]) + (acc[1] + acc[3])
+    return (acc[0] + acc[1]) + (acc[2] + acc[3])
 
 
-cdef inline void _q4_chunk(const unsigned char* w, const float* xe, const float* xo,
-                           float* acc) noexcept nogil:
-    """acc[l] += (lo(w[l]) - 8) * xe[l] + (hi(w[l]) - 8) * xo[l] for the LANES bytes of w."""
-    cdef Py_ssize_t l
-    cdef int b
+cdef inline float _sum16(const float* p, Py_ssize_t n) noexcept nogil:
+    """Fixed-order sum of p[0:n], n a multiple of 16."""
+    cdef float acc[LANES]
+    cdef Py_ssize_t j, l
     for l in range(LANES):
-        b = w[l]
-        acc[l] = acc[l] + (<float>((b & 15) - 8) * xe[l] + <float>((b >> 4) - 8) * xo[l])
+        acc[l] = 0
+    j = 0
+    while j < n:
+        for l in range(LANES):
+            acc[l] = acc[l] + p[j + l]
+        j += LANES
+    return _fold16(acc)
 
 
-cdef inline void _q4_chunk_f(const float* lo, const float* hi, const float* xe, const float* xo,
-                             float* acc) noexcept nogil:
-    """_q4_chunk on a row already unpacked to floats (same arithmetic, same bits)."""
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        acc[l] = acc[l] + (lo[l] * xe[l] + hi[l] * xo[l])
+# --- int4 -------------------------------------------------------------------------------------
+
+cdef inline void _q4_words(const uint32_t* wd, const float* X, const float* sw, f32_rp p,
+                           Py_ssize_t nw, Py_ssize_t S) noexcept nogil:
+    """p[k] for the packed words wd[0:nw] (decode). X: 8 planes of stride S."""
+    cdef Py_ssize_t k
+    cdef uint32_t v
+    for k in range(nw):
+        v = wd[k]
+        p[k] = ((((<float>(<int>(v & 15) - 8) * X[k]
+                   + <float>(<int>((v >> 4) & 15) - 8) * X[S + k])
+                  + (<float>(<int>((v >> 8) & 15) - 8) * X[2 * S + k]
+                     + <float>(<int>((v >> 12) & 15) - 8) * X[3 * S + k]))
+                 + ((<float>(<int>((v >> 16) & 15) - 8) * X[4 * S + k]
+                     + <float>(<int>((v >> 20) & 15) - 8) * X[5 * S + k])
+                    + (<float>(<int>((v >> 24) & 15) - 8) * X[6 * S + k]
+                       + <float>(<int>(v >> 28) - 8) * X[7 * S + k])))
+                * sw[k])
 
 
-cdef inline void _q4_part(const unsigned char* w, const float* xe, const float* xo,
-                          Py_ssize_t m, float* acc) noexcept nogil:
-    """A chunk of m < LANES bytes: padded with zero weights (0x88) and zero x."""
-    cdef unsigned char wp[LANES]
-    cdef float ep[LANES]
-    cdef float op[LANES]
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        wp[l] = 0x88
-        ep[l] = 0
-        op[l] = 0
-    for l in range(m):
-        wp[l] = w[l]
-        ep[l] = xe[l]
-        op[l] = xo[l]
-    _q4_chunk(wp, ep, op, acc)
+cdef inline void _q4_unpack(const uint32_t* wd, float* B, Py_ssize_t nw, Py_ssize_t S) noexcept nogil:
+    """B[i * S + k] = nibble i of wd[k] minus 8 (prefill). One plane per loop: vectorizes."""
+    cdef Py_ssize_t k
+    cdef int i
+    cdef float* b
+    for i in range(8):
+        b = B + i * S
+        for k in range(nw):
+            b[k] = <float>(<int>((wd[k] >> (4 * i)) & 15) - 8)
 
 
-cdef inline void _q4_part_f(const float* lo, const float* hi, const float* xe, const float* xo,
-                            Py_ssize_t m, float* acc) noexcept nogil:
-    cdef float lp[LANES]
-    cdef float hp[LANES]
-    cdef float ep[LANES]
-    cdef float op[LANES]
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        lp[l] = 0
-        hp[l] = 0
-        ep[l] = 0
-        op[l] = 0
-    for l in range(m):
-        lp[l] = lo[l]
-        hp[l] = hi[l]
-        ep[l] = xe[l]
-        op[l] = xo[l]
-    _q4_chunk_f(lp, hp, ep, op, acc)
+cdef inline void _q4_floats(const float* B, const float* X, const float* sw, f32_rp p,
+                            Py_ssize_t nw, Py_ssize_t S) noexcept nogil:
+    """_q4_words on an unpacked row: the same expression, so the same bits."""
+    cdef Py_ssize_t k
+    for k in range(nw):
+        p[k] = ((((B[k] * X[k] + B[S + k] * X[S + k])
+                  + (B[2 * S + k] * X[2 * S + k] + B[3 * S + k] * X[3 * S + k]))
+                 + ((B[4 * S + k] * X[4 * S + k] + B[5 * S + k] * X[5 * S + k])
+                    + (B[6 * S + k] * X[6 * S + k] + B[7 * S + k] * X[7 * S + k])))
+                * sw[k])
 
 
 cdef inline void _q4_row(const unsigned char* wr, const float* sr, const float* xs, float* y,
-                         float* buf, Py_ssize_t T, Py_ssize_t O, Py_ssize_t nb,
-                         Py_ssize_t ng, Py_ssize_t gb) noexcept nogil:
-    """One output row o: y[t * O] for all t. xs: T rows of [xe (nb) | xo (nb)]; gb = gs / 2."""
-    cdef Py_ssize_t t, g, j, k, l, start, n
-    cdef const float* xe
-    cdef const float* xo
-    cdef float* lo = buf
-    cdef float* hi = buf + nb
-    cdef float racc[LANES]
-    cdef float gacc[LANES]
-    cdef float sc
-    cdef int b
-    if T > 1:
-        for k in range(nb):
-            b = wr[k]
-            lo[k] = <float>((b & 15) - 8)
-            hi[k] = <float>((b >> 4) - 8)
-    for t in range(T):
-        xe = xs + 2 * nb * t
-        xo = xe + nb
-        for l in range(LANES):
-            racc[l] = 0
+                         char* scratch, Py_ssize_t T, Py_ssize_t O, Py_ssize_t nb,
+                         Py_ssize_t ng, Py_ssize_t gb, Py_ssize_t nwg, Py_ssize_t S) noexcept nogil:
+    """One output row: y[t * O] for all t. xs: T blocks of 8 planes of stride S (S >= nw)."""
+    cdef Py_ssize_t nw = ng * nwg
+    cdef Py_ssize_t t, g, j, off, m
+    cdef uint32_t* wd = <uint32_t*>scratch                # S words
+    cdef float* sw = <float*>(scratch + 4 * S)            # S floats
+    cdef float* p = <float*>(scratch + 8 * S)             # S floats, zero past nw
+    cdef float* B = <float*>(scratch + 12 * S)            # 8 * S floats (prefill only)
+    # packed bytes -> group-aligned words (padding bytes 0x88 = zero weights)
+    if gb % 4 == 0:
+        memcpy(wd, wr, nb)
+        memset((<unsigned char*>wd) + nb, 0x88, 4 * nw - nb)
+    else:
+        memset(wd, 0x88, 4 * nw)
         for g in range(ng):
-            start = g * gb
-            n = nb - start
-            if n > gb:
-                n = gb
-            n = start + n
-            for l in range(LANES):
-                gacc[l] = 0
-            j = start
-            if T > 1:
-                while j + LANES <= n:
-                    _q4_chunk_f(lo + j, hi + j, xe + j, xo + j, gacc)
-                    j += LANES
-                if j < n:
-                    _q4_part_f(lo + j, hi + j, xe + j, xo + j, n - j, gacc)
-            else:
-                while j + LANES <= n:
-                    _q4_chunk(wr + j, xe + j, xo + j, gacc)
-                    j += LANES
-                if j < n:
-                    _q4_part(wr + j, xe + j, xo + j, n - j, gacc)
-            sc = sr[g]
-            for l in range(LANES):
-                racc[l] = racc[l] + gacc[l] * sc
-        y[t * O] = _fold(racc)
+            off = g * gb
+            m = nb - off
+            if m > gb:
+                m = gb
+            memcpy((<unsigned char*>wd) + 4 * nwg * g, wr + off, m)
+    for g in range(ng):
+        for j in range(nwg):
+            sw[g * nwg + j] = sr[g]
+    if T > 1:
+        _q4_unpack(wd, B, nw, S)
+        for t in range(T):
+            _q4_floats(B, xs + 8 * S * t, sw, p, nw, S)
+            y[t * O] = _sum16(p, _up16(nw))
+    else:
+        _q4_words(wd, xs, sw, p, nw, S)
+        y[0] = _sum16(p, _up16(nw))
 
+
+cdef int _q4_impl(const float[:, ::1] x, const unsigned char[:, ::1] w, const float[:, ::1] s,
+                  float[:, ::1] y, Py_ssize_t cols, Py_ssize_t gs) except -1:
+    cdef Py_ssize_t T = x.shape[0]
+    cdef Py_ssize_t O = w.shape[0]
+    cdef Py_ssize_t nb = w.shape[1]
+    cdef Py_ssize_t ng = s.shape[1]
+    cdef Py_ssize_t gb = gs // 2                 # bytes per group
+    cdef Py_ssize_t nwg = (gb + 3) // 4          # words per group
+    cdef Py_ssize_t nw = ng * nwg
+    cdef Py_ssize_t S = _up16(nw)                # plane stride (floats / words)
+    cdef Py_ssize_t per_thread = (12 + (8 if T > 1 else 0)) * S * 4   # bytes, 64-byte multiple
+    cdef int nt = _threads_for(O)
+    cdef Py_ssize_t o, t, g, j, k, i, e, r
+    cdef float* xi
+    cdef const float* xp = &x[0, 0]
+    cdef const unsigned char* wp = &w[0, 0]
+    cdef const float* sp = &s[0, 0]
+    cdef float* yp = &y[0, 0]
+    cdef float* xs = <float*>malloc(<size_t>(T * 8 * S) * sizeof(float))
+    cdef char* scratch = <char*>malloc(<size_t>(nt * per_thread + 64))
+    cdef char* base
+    if xs == NULL or scratch == NULL:
+        free(xs)
+        free(scratch)
+        raise MemoryError()
+    base = scratch + (64 - (<size_t>scratch) % 64) % 64
+    for t in range(nt):   # p is zero past nw (read by _sum16's last lanes)
+        memset(base + t * per_thread + 8 * S, 0, 4 * S)
+    for t in range(T):
+        for i in range(8):
+            xi = xs + t * 8 * S + i * S
+            for g in range(ng):
+                for j in range(nwg):
+                    # word k = g * nwg + j holds bytes 4j..4j+3 of group g; nibble i of it is
+                    # element e of the group, element r of the row
+                    e = 8 * j + 2 * _byte_of_nibble[i] + (i & 1)
+                    r = g * gs + e
+                    xi[g * nwg + j] = xp[t * cols + r] if e < gs and r < cols else 0
+            for k in range(nw, S):
+                xi[k] = 0
+    try:
+        for o in prange(O, nogil=True, num_threads=nt, schedule="static"):
+            _q4_row(wp + o * nb, sp + o * ng, xs, yp + o, base + threadid() * per_thread,
+                    T, O, nb, ng, gb, nwg, S)
+    finally:
+        free(scratch)
+        free(xs)
+    return 0
+
+
+# --- int8 -------------------------------------------------------------------------------------
 
 cdef inline void _q8_chunk(const signed char* w, const float* x, float* acc) noexcept nogil:
     cdef Py_ssize_t l
@@ -246,54 +308,7 @@ cdef inline void _q8_row(const signed char* wr, float scale, const float* x, flo
                 j += LANES
             if j < cols:
                 _q8_part(wr + j, xr + j, cols - j, acc)
-        y[t * O] = _fold(acc) * scale
-
-
-cdef int _threads_for(Py_ssize_t rows):
-    cdef int nt = get_num_threads()
-    if nt > rows:
-        nt = <int>rows
-    return nt if nt > 0 else 1
-
-
-cdef int _q4_impl(const float[:, ::1] x, const unsigned char[:, ::1] w, const float[:, ::1] s,
-                  float[:, ::1] y, Py_ssize_t cols, Py_ssize_t gs) except -1:
-    cdef Py_ssize_t T = x.shape[0]
-    cdef Py_ssize_t O = w.shape[0]
-    cdef Py_ssize_t nb = w.shape[1]
-    cdef Py_ssize_t ng = s.shape[1]
-    cdef Py_ssize_t stride = (2 * nb + 15) & ~(<Py_ssize_t>15)   # 64-byte multiples per thread
-    cdef int nt = _threads_for(O)
-    cdef Py_ssize_t o, t, k
-    cdef const float* xp = &x[0, 0]
-    cdef const unsigned char* wp = &w[0, 0]
-    cdef const float* sp = &s[0, 0]
-    cdef float* yp = &y[0, 0]
-    cdef float* xs
-    cdef float* bufs = NULL
-    xs = <float*>malloc(<size_t>(T * 2 * nb) * sizeof(float))
-    if xs == NULL:
-        raise MemoryError()
-    for t in range(T):
-        for k in range(cols // 2):
-            xs[2 * nb * t + k] = xp[cols * t + 2 * k]
-            xs[2 * nb * t + nb + k] = xp[cols * t + 2 * k + 1]
-        if cols % 2:
-            xs[2 * nb * t + nb - 1] = xp[cols * t + cols - 1]
-            xs[2 * nb * t + 2 * nb - 1] = 0
-    if T > 1:
-        bufs = <float*>malloc(<size_t>(nt * stride) * sizeof(float))
-        if bufs == NULL:
-            free(xs)
-            raise MemoryError()
-    try:
-        for o in prange(O, nogil=True, num_threads=nt, schedule="static"):
-            _q4_row(wp + o * nb, sp + o * ng, xs, yp + o,
-                    (bufs + threadid() * stride) if T > 1 else NULL, T, O, nb, ng, gs // 2)
-    finally:
-        free(bufs)
-        free(xs)
-    return 0
+        y[t * O] = _fold16(acc) * scale
 
 
 cdef int _q8_impl(const float[:, ::1] x, const signed char[:, ::1] w, const float[::1] s,
@@ -365,7 +380,7 @@ def q4_matmul(x, w, s, int cols, int group_size, out=None):
     w = _as_bytes(w, np.uint8, "w")
     s = np.ascontiguousarray(s, dtype=np.float32)
     nb = (cols + 1) // 2
-    ng = -(-cols // group_size)
+    ng = (cols + group_size - 1) // group_size
     if x.shape[1] != cols:
         raise ValueError(f"x has {x.shape[1]} columns, expected cols={cols}")
     if w.ndim != 2 or w.shape[1] != nb:
