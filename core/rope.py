@@ -1,12 +1,14 @@
 """Rotary position embeddings, computed the way transformers does (float32, rotate_half)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .errors import ColiError
 
 DEFAULT_THETA = 10_000.0
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: dict) -> dict:
@@ -17,6 +19,9 @@ def rope_parameters(config: dict) -> dict:
         raise ColiError("per-layer-type rope_parameters are not supported for this model type")
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", config.get("rope_theta", DEFAULT_THETA))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings",
+                          config.get("original_max_position_embeddings", config.get("max_position_embeddings")))
     if "partial_rotary_factor" in config:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
     return params
@@ -34,10 +39,18 @@ class Rope:
         dim = head_dim
         exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
         inv_freq = (np.float32(1.0) / (np.float32(p["rope_theta"]) ** exps)).astype(np.float32)
-        if kind == "linear":
-            inv_freq = (inv_freq / np.float32(p["factor"])).astype(np.float32)
-        self.inv_freq = inv_freq
         self.attention_scaling = np.float32(1.0)
+        try:
+            if kind == "linear":
+                inv_freq = (inv_freq / np.float32(p["factor"])).astype(np.float32)
+            elif kind == "llama3":
+                inv_freq = _llama3(inv_freq, p)
+            elif kind == "yarn":
+                inv_freq, scaling = _yarn(p, dim, config)
+                self.attention_scaling = np.float32(scaling)
+        except (KeyError, TypeError) as e:
+            raise ColiError(f"rope_parameters for '{kind}' lack a field: {e}") from None
+        self.inv_freq = inv_freq
         self.head_dim = head_dim
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -51,3 +64,49 @@ class Rope:
         half = x.shape[-1] // 2
         rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
         return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:
+    """transformers' _compute_llama3_parameters, in float32."""
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old = p["original_max_position_embeddings"]
+    low_wl, high_wl = old / low, old / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wl, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+    smooth = ((old / wavelen - low) / (high - low)).astype(np.float32)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn(p: dict, dim: int, config: dict) -> tuple[np.ndarray, float]:
+    """transformers' _compute_yarn_parameters, in float32."""
+    base = p["rope_theta"]
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor")
+    if factor is None:
+        factor = config["max_position_embeddings"] / original
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = (get_mscale(factor, ms) / get_mscale(factor, ms_all)) if ms and ms_all else get_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr(rot):
+        return (dim * math.log(original / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = corr(beta_fast), corr(beta_slow)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    pos = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrap, interp = np.float32(1.0) / pos, np.float32(1.0) / (np.float32(factor) * pos)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
+    keep = np.float32(1.0) - ramp
+    return (interp * (1 - keep) + extrap * keep).astype(np.float32), float(attention)

@@ -64,6 +64,8 @@ def _rope(theta: float) -> dict:
 #                                                             hub-style config.json
 #   qwen3moe-d  H80  nh8 nkv2 (GQA)  I42  E12 k4 norm_topk=T  3 layers, decoder_sparse_step=2 (dense
 #                                                             I 88), tied embeddings
+#   olmoe-e     H64  nh4 nkv2 (GQA)  I30  E6  k3 norm_topk=F  llama3 RoPE scaling
+#   qwen3moe-e  H64  nh4 nkv2 (GQA)  I34  E6  k2 norm_topk=T  sliding window 7, yarn RoPE scaling
 CONFIGS: list[dict] = [
     dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
         vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
@@ -102,6 +104,20 @@ CONFIGS: list[dict] = [
         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, num_experts=12,
         num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=2,
         tie_word_embeddings=True, rope_parameters=_rope(500_000.0), rms_norm_eps=1e-6)),
+    dict(name="olmoe-e", family="olmoe", shard=False, cfg=dict(
+        vocab_size=303, hidden_size=64, intermediate_size=30, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16})),
+    dict(name="qwen3moe-e", family="qwen3_moe", shard=False, cfg=dict(
+        vocab_size=311, hidden_size=64, intermediate_size=70, moe_intermediate_size=34,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=True, use_sliding_window=True, sliding_window=7,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16})),
 ]
 
 _COMMON = dict(max_position_embeddings=128, bos_token_id=0, eos_token_id=2, pad_token_id=1,
