@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("logits", help="teacher-forced logits for token ids, saved as .npy")
-    _add_model(p, required=True)
+    _add_model(p)
     p.add_argument("--ids", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, metavar="FILE.npy")
 
@@ -80,10 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _need_model(args) -> str:
-    if not args.model:
+    if args.model:
+        return args.model
+    from models import default_model
+    demo = default_model()
+    if demo is None:
         raise ColiError("no model given: pass --model DIR (a container made by `coli convert`) "
                         "or set COLI_MODEL")
-    return args.model
+    print(f"coli: no model configured; using the embedded demo model ({demo.name})", file=sys.stderr)
+    return str(demo)
 
 
 def cmd_convert(args) -> int:
@@ -158,7 +163,7 @@ def cmd_logits(args) -> int:
     out = Path(args.out)
     if not out.parent.exists():
         raise ColiError(f"--out: directory {out.parent} does not exist")
-    logits = open_model(args.model, threads=args.threads).logits(ids)
+    logits = open_model(_need_model(args), threads=args.threads).logits(ids)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         np.save(f, logits.astype(np.float32))

@@ -10,7 +10,15 @@ from core.errors import ColiError
 
 from .registry import FAMILIES, family_for, supported_types, validate_config
 
-__all__ = ["open_model", "FAMILIES", "family_for", "supported_types", "validate_config"]
+__all__ = ["open_model", "default_model", "FAMILIES", "family_for", "supported_types", "validate_config"]
+
+# The embedded demo model (issue 3), shipped as package data.
+DEMO_MODEL = Path(__file__).resolve().parent / "demo" / "qwen3-moe-demo"
+
+
+def default_model() -> Path | None:
+    """The model used when none is configured: the embedded demo, when this install has it."""
+    return DEMO_MODEL if (DEMO_MODEL / "colibri.json").exists() else None
 
 
 def _read_json(path: Path) -> dict | None:

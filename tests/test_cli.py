@@ -81,7 +81,6 @@ def test_logits_cli_writes_float32(container, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("run", "--model", "/nonexistent", "hi"), "no such model directory"),
-    (("run", "hi"), "no model given"),
     (("run", "--model", "{c}", "--ids", "1,x"), "--ids must be comma-separated integers"),
     (("run", "--model", "{c}", "--ids", "1,99999"), "token id out of range"),
     (("run", "--model", "{c}"), "give either PROMPT or --ids"),
@@ -97,6 +96,15 @@ def test_bad_input_is_one_line_and_nonzero(container, args, message):
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_no_model_and_no_demo(monkeypatch, tmp_path, capsys):
+    import models
+    from colibri_tui.cli import main
+    monkeypatch.delenv("COLI_MODEL", raising=False)
+    monkeypatch.setattr(models, "DEMO_MODEL", tmp_path / "absent")
+    assert main(["run", "hi"]) == 1
+    assert "no model given" in capsys.readouterr().err
 
 
 def test_not_a_container(tmp_path):
