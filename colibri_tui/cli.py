@@ -35,10 +35,33 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def _add_model(p, required=False):
-    p.add_argument("--model", metavar="DIR", required=required, default=os.environ.get("COLI_MODEL"),
-                   help="a converted colibrì container (default: $COLI_MODEL)")
+def _add_model(p, store=True):
+    p.add_argument("--model", metavar="DIR", default=os.environ.get("COLI_MODEL"),
+                   help="a converted colibrì container (default: $COLI_MODEL, else the demo model)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    if not store:
+        return
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"),
+                   help="RAM for routed experts, in GB (default: automatic, or $COLI_RAM_GB)")
+    g.add_argument("--cap", type=int, default=None, help="at most N routed experts per layer in RAM")
+    p.add_argument("--policy", default="lru", help="RAM cache policy: lru, lfru or pinned")
+    p.add_argument("--no-prefetch", action="store_true", help="no lookahead prefetch")
+    p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
+
+
+def _env_float(name: str):
+    v = os.environ.get(name)
+    try:
+        return float(v) if v else None
+    except ValueError:
+        return None
+
+
+def _open(args):
+    from models import open_model
+    return open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
+                      policy=args.policy, prefetch=not args.no_prefetch, o_direct=args.o_direct)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--trace", metavar="FILE", help="record routing (position, layer, experts) to FILE")
 
     p = sub.add_parser("logits", help="teacher-forced logits for token ids, saved as .npy")
     _add_model(p)
@@ -74,8 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE.npy")
 
     p = sub.add_parser("info", help="describe a container")
-    _add_model(p)
+    _add_model(p, store=False)
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("plan", help="RAM budget, slots per tier, projected hit rate, what bounds speed")
+    _add_model(p, store=False)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"))
+    g.add_argument("--cap", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+
+    try:
+        from .cli_replay import add_parser as add_replay
+        add_replay(sub)
+    except ImportError:
+        pass
     return ap
 
 
@@ -121,7 +158,6 @@ def cmd_convert(args) -> int:
 def cmd_run(args) -> int:
     from core.events import Done, Stats, Token
     from core.sampling import SamplingParams
-    from models import open_model
 
     if (args.prompt is None) == (args.ids is None):
         raise ColiError("give either PROMPT or --ids")
@@ -132,38 +168,45 @@ def cmd_run(args) -> int:
                                   seed=args.seed, greedy=args.greedy)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    engine = open_model(_need_model(args), threads=args.threads)
+    engine = _open(args)
     prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
     stats = None
-    for ev in engine.generate(prompt, sampling, stop=args.stop, max_new_tokens=args.max_new_tokens,
-                              raw=args.raw):
-        if isinstance(ev, Token) and not args.json:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        elif isinstance(ev, Stats):
-            stats = ev
-        elif isinstance(ev, Done) and not args.json:
-            sys.stdout.write("\n")
+    if args.trace:
+        from core.trace import TraceWriter
+        engine.trace = TraceWriter(args.trace, engine.spec.num_layers, engine.spec.num_experts,
+                                   engine.spec.top_k)
+    try:
+        for ev in engine.generate(prompt, sampling, stop=args.stop, max_new_tokens=args.max_new_tokens,
+                                  raw=args.raw):
+            if isinstance(ev, Token) and not args.json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, Stats):
+                stats = ev
+            elif isinstance(ev, Done) and not args.json:
+                sys.stdout.write("\n")
+    finally:
+        if engine.trace is not None:
+            engine.trace.close()
     d = stats.as_dict()
     ids, text = d.pop("ids"), d.pop("text")
     if args.json:
         print(json.dumps({"ids": ids, "text": text, "stats": d}))
     else:
         print(f"[{d['new_tokens']} tokens, prefill {d['prefill_tok_s']:.1f} tok/s, "
-              f"decode {d['decode_tok_s']:.1f} tok/s, stop: {d['reason']}]", file=sys.stderr)
+              f"decode {d['decode_tok_s']:.1f} tok/s, hit rate {d['hit_rate']:.1%}, "
+              f"read {d['bytes_read'] / 1e6:.1f} MB, stop: {d['reason']}]", file=sys.stderr)
     return 0
 
 
 def cmd_logits(args) -> int:
     import numpy as np
 
-    from models import open_model
-
     ids = _parse_ids(args.ids)
     out = Path(args.out)
     if not out.parent.exists():
         raise ColiError(f"--out: directory {out.parent} does not exist")
-    logits = open_model(_need_model(args), threads=args.threads).logits(ids)
+    logits = _open(args).logits(ids)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         np.save(f, logits.astype(np.float32))
@@ -198,7 +241,37 @@ def cmd_info(args) -> int:
     return 0
 
 
-COMMANDS = {"convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info}
+def cmd_plan(args) -> int:
+    from core.container import Container
+    from core.planner import make_plan
+    from models import family_for, load_model_usage
+
+    c = Container(_need_model(args))
+    spec = family_for(c.config).spec(c.config)
+    plan = make_plan(c, spec, ram_gb=args.ram_gb, cap=args.cap, usage=load_model_usage(c, spec))
+    d = plan.as_dict()
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    gb = lambda n: f"{n / 1e9:.3f} GB"
+    print(f"model            {c.path}")
+    print(f"dense (RAM)      {gb(plan.dense_bytes)}")
+    print(f"experts (disk)   {gb(plan.expert_bytes)} = {plan.moe_layers} layers x {plan.num_experts} experts")
+    print(f"RAM tier         {plan.cap} slots/layer x {plan.moe_layers} layers = {gb(plan.ram_expert_bytes)} "
+          f"({plan.mode}; available {gb(plan.available_bytes)})")
+    print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
+    print(f"projected hits   {plan.projected_hit_rate:.1%}")
+    print(f"bound by         {plan.bound}")
+    return 0
+
+
+def _cmd_replay(args) -> int:
+    from .cli_replay import cmd_replay
+    return cmd_replay(args)
+
+
+COMMANDS = {"convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
+            "plan": cmd_plan, "replay": _cmd_replay}
 
 
 def main(argv: list[str] | None = None) -> int:

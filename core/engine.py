@@ -22,7 +22,7 @@ from .events import Done, Stats, Token
 from .memory import peak_rss_bytes
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
-from .store import ExpertFFN, ExpertStore, ResidentStore
+from .store import ExpertFFN, ExpertStore
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -109,13 +109,27 @@ class Engine:
             self.head = c.load("lm_head.weight")
         self.final_norm = kernels.vector(c.load("model.norm.weight"))
         self.layers = [_Layer(c, spec, i) for i in range(spec.num_layers)]
-        self.store = store if store is not None else ResidentStore(c)
+        if store is None:
+            from .tiered_store import TieredStore
+            store = TieredStore(c, cap=spec.num_experts)      # everything fits: no eviction
+        self.store = store
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
         self.rope = Rope(c.config, spec.head_dim)
         self.scale = np.float32(spec.head_dim ** -0.5)
         self._cancel = threading.Event()
+        moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]
+        # lookahead: after layer i's attention, the next MoE layer's norm + router predict its experts
+        self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(spec.num_layers)}
+        self.trace = None            # a core.trace.TraceWriter while recording
+        self.usage: dict[tuple[int, int], int] = {}
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.counters = {"attention_s": 0.0, "experts_s": 0.0, "lm_head_s": 0.0,
+                         "predicted": 0, "predicted_hit": 0}
+        self._predicted: dict[int, set[int]] = {}
 
     # --- the forward pass ----------------------------------------------------------------------
     def _attention(self, i: int, L: _Layer, h, cos, sin, cache: KVCache, pos: np.ndarray):
@@ -155,12 +169,35 @@ class Engine:
             weights = weights / weights.sum(axis=1, keepdims=True)
         return top, weights.astype(np.float32)
 
-    def _moe(self, i: int, L: _Layer, h: np.ndarray) -> np.ndarray:
+    def _predict(self, i: int, x: np.ndarray) -> None:
+        """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
+        after layer i's attention and ask the store to start reading those experts."""
+        j = self._next_moe[i]
+        if j is None or not getattr(self.store, "prefetch_enabled", False):
+            return
+        L = self.layers[j]
+        top, weights = self.route(L, rms_norm(x, L.post_norm, self.spec.rms_norm_eps))
+        order = np.argsort(-weights, axis=None, kind="stable")     # strongest predictions first
+        ranked = list(dict.fromkeys(int(e) for e in top.reshape(-1)[order]))
+        self._predicted[j] = set(ranked)
+        self.store.prefetch(j, ranked)
+
+    def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         top, weights = self.route(L, h)
+        used = np.unique(top)
+        predicted = self._predicted.pop(i, None)
+        if predicted is not None:
+            self.counters["predicted"] += len(used)
+            self.counters["predicted_hit"] += len(predicted.intersection(used.tolist()))
+        for e in used.tolist():
+            self.usage[(i, e)] = self.usage.get((i, e), 0) + int((top == e).sum())
+        if self.trace is not None:
+            for p, row in zip(pos.tolist(), top.tolist()):
+                self.trace.record(p, i, row)
         contrib = np.zeros((h.shape[0], top.shape[1], h.shape[1]), np.float32)
         # Each unique expert of the batch is fetched once; results land in fixed (token, rank)
         # slots and are summed in rank order, so arrival order cannot change the output.
-        for e, ffn in self.store.request(i, np.unique(top).tolist()):
+        for e, ffn in self.store.request(i, used.tolist()):
             rows, ranks = np.nonzero(top == e)
             contrib[rows, ranks] = expert_ffn(h[rows], ffn) * weights[rows, ranks][:, None]
         out = contrib[:, 0]
@@ -176,13 +213,23 @@ class Engine:
         x = kernels.rows(self.embed, ids)
         pos = np.arange(cache.length, cache.length + len(ids))
         cos, sin = self.rope.cos_sin(pos)
+        c = self.counters
         for i, L in enumerate(self.layers):
+            t0 = time.perf_counter()
             x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
+            t1 = time.perf_counter()
+            self._predict(i, x)
             h = rms_norm(x, L.post_norm, s.rms_norm_eps)
-            x = x + (self._moe(i, L, h) if L.kind == "moe" else expert_ffn(h, L.mlp))
+            x = x + (self._moe(i, L, h, pos) if L.kind == "moe" else expert_ffn(h, L.mlp))
+            t2 = time.perf_counter()
+            c["attention_s"] += t1 - t0
+            c["experts_s"] += t2 - t1
         cache.length += len(ids)
+        t0 = time.perf_counter()
         x = rms_norm(x if all_logits else x[-1:], self.final_norm, s.rms_norm_eps)
-        return kernels.matmul(x, self.head)
+        out = kernels.matmul(x, self.head)
+        c["lm_head_s"] += time.perf_counter() - t0
+        return out
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, float32 [T, vocab], from one batched pass."""
@@ -217,11 +264,30 @@ class Engine:
         stops = [s for s in stop if s]
         decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         eos = set(self.spec.eos_token_ids)
+        self.store.reset_stats()
+        self.reset_counters()
         t0 = time.perf_counter()
         logits = self.forward(ids, cache)[-1]
         t_prefill = time.perf_counter() - t0
         new, text, emitted, reason = [], "", 0, "length"
         t_decode = time.perf_counter()
+
+        def stats(final: bool) -> Stats:
+            st, c = self.store.stats(), self.counters
+            steps, elapsed = max(0, len(new) - 1), time.perf_counter() - t_decode
+            extra = {k: st[k] for k in ("hits", "misses", "disk_wait_s", "prefetch_issued",
+                                        "prefetch_used", "cap", "ram_bytes") if k in st}
+            extra.update(attention_s=c["attention_s"], lm_head_s=c["lm_head_s"],
+                         experts_s=max(0.0, c["experts_s"] - st.get("disk_wait_s", 0.0)),
+                         prefetch_recall=(c["predicted_hit"] / c["predicted"]) if c["predicted"] else None,
+                         final=final, kernels=kernels.backend(), threads=kernels.get_threads())
+            if final:
+                extra.update(ids=list(new), text=text, reason=reason)
+            return Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,
+                         prefill_tok_s=len(ids) / t_prefill if t_prefill > 0 else 0.0,
+                         decode_tok_s=steps / elapsed if steps and elapsed > 0 else 0.0,
+                         hit_rate=st.get("hit_rate", 1.0), bytes_read=st.get("bytes_read", 0),
+                         peak_rss_bytes=peak_rss_bytes(), extra=extra)
         while len(new) < max_new_tokens:
             if self._cancel.is_set():
                 reason = "cancelled"
@@ -242,6 +308,7 @@ class Engine:
             # hold back a tail that could still become a stop string
             hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             yield Token(tok, text[emitted: len(text) - hold])
+            yield stats(final=False)
             emitted = len(text) - hold
             if len(new) >= max_new_tokens:
                 break
@@ -250,12 +317,5 @@ class Engine:
             text += decoder.flush() if decoder is not None else ""
             if emitted < len(text):
                 yield Token(-1, text[emitted:])     # held-back tail, no new token
-        elapsed = time.perf_counter() - t_decode
-        stats = Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,
-                      prefill_tok_s=len(ids) / t_prefill if t_prefill > 0 else 0.0,
-                      decode_tok_s=(len(new) - 1) / elapsed if len(new) > 1 and elapsed > 0 else 0.0,
-                      hit_rate=1.0, bytes_read=0, peak_rss_bytes=peak_rss_bytes(),
-                      extra={"ids": new, "text": text, "reason": reason, "kernels": kernels.backend(),
-                             "threads": kernels.get_threads()})
-        yield stats
+        yield stats(final=True)
         yield Done(reason)

@@ -4,14 +4,14 @@ Interface (DESIGN.md): ``request(layer, expert_ids)`` yields ``(expert_id, Exper
 each expert becomes ready (hits first; a tiered store yields misses as their reads complete),
 ``prefetch(layer, expert_ids)`` hints experts that will be wanted soon, ``stats()`` reports
 hits/misses/bytes. The families never see which store they run on, so placement cannot change
-output. ``ResidentStore`` keeps every expert in RAM, each read with one pread of its byte range.
+output. The implementation is ``core.tiered_store.TieredStore``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .container import Container, Weight
+from .container import Weight
 
 GATE, UP, DOWN = "gate_proj.weight", "up_proj.weight", "down_proj.weight"
 
@@ -38,31 +38,11 @@ class ExpertStore:
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
         """A hint; stores without a slower tier ignore it."""
 
+    def has(self, layer: int, expert: int) -> bool:
+        raise NotImplementedError
+
     def stats(self) -> dict:
         raise NotImplementedError
 
-
-class ResidentStore(ExpertStore):
-    """Every routed expert resident in RAM (loaded once at open)."""
-
-    def __init__(self, container: Container):
-        self._experts: dict[tuple[int, int], ExpertFFN] = {}
-        self.bytes_loaded = 0
-        for (layer, expert) in sorted(container.experts):
-            blob = container.read_expert(layer, expert)
-            self.bytes_loaded += len(blob)
-            self._experts[(layer, expert)] = ExpertFFN.from_parts(
-                container.expert_weights(layer, expert, blob), len(blob))
-        self.hits = 0
-
-    def request(self, layer, expert_ids):
-        for e in expert_ids:
-            self.hits += 1
-            yield e, self._experts[(layer, int(e))]
-
-    def has(self, layer: int, expert: int) -> bool:
-        return (layer, expert) in self._experts
-
-    def stats(self) -> dict:
-        return {"tiers": ["ram"], "hits": {"ram": self.hits}, "misses": 0, "bytes_read": 0,
-                "resident_bytes": self.bytes_loaded}
+    def reset_stats(self) -> None:
+        """Start counting afresh (each generation reports its own run)."""

@@ -12,6 +12,18 @@ from .registry import FAMILIES, family_for, supported_types, validate_config
 
 __all__ = ["open_model", "default_model", "FAMILIES", "family_for", "supported_types", "validate_config"]
 
+DEFAULT_POLICY = "lru"
+
+
+def load_model_usage(container: Container, spec) -> dict:
+    """The model's routing history (``.coli_usage``), {} when there is none yet."""
+    try:
+        from core.usage import load_usage
+    except ImportError:
+        return {}
+    return load_usage(container.path / ".coli_usage", spec.num_layers, spec.num_experts)
+
+
 # The embedded demo model (issue 3), shipped as package data.
 DEMO_MODEL = Path(__file__).resolve().parent / "demo" / "qwen3-moe-demo"
 
@@ -30,18 +42,35 @@ def _read_json(path: Path) -> dict | None:
         raise ColiError(f"{path}: invalid JSON ({e})") from None
 
 
-def open_model(path: str | Path, threads: int | None = None) -> Engine:
-    """Open a converted container: pick the family from config.json, build the engine."""
+def open_model(path: str | Path, threads: int | None = None, ram_gb: float | None = None,
+               cap: int | None = None, policy: str = DEFAULT_POLICY, prefetch: bool = True,
+               o_direct: bool = False, io_threads: int = 4) -> Engine:
+    """Open a converted container: pick the family from config.json, size the RAM tier
+    (``cap`` experts per layer, or ``ram_gb`` for the slot pool, or automatic), build the engine."""
+    from core.planner import make_plan
+    from core.policies import make_policy
+    from core.tiered_store import TieredStore
+
     container = Container(path)
     try:
         validate_config(container.config)
         spec = family_for(container.config).spec(container.config,
                                                    _read_json(container.path / "generation_config.json"))
+        plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap)
+        layers = sorted({l for l, _ in container.experts})
+        try:
+            pol = make_policy(policy, usage=load_model_usage(container, spec), layers=layers, cap=plan.cap)
+        except ValueError as e:
+            raise ColiError(str(e)) from None
+        store = TieredStore(container, cap=plan.cap, policy=pol, o_direct=o_direct,
+                            io_threads=io_threads, prefetch=prefetch)
         tokenizer = None
         if (container.path / "tokenizer.json").exists():
             from core.tokenizer import ChatTokenizer
             tokenizer = ChatTokenizer.from_dir(container.path)
-        return Engine(container, spec, tokenizer=tokenizer, threads=threads)
+        engine = Engine(container, spec, store=store, tokenizer=tokenizer, threads=threads)
+        engine.plan = plan
+        return engine
     except BaseException:
         container.close()
         raise

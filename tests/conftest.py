@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 from core.safetensors_io import SafetensorsWriter, bf16_from_float32
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "tests" / "oracle" / "fixtures"
 
 
 def pytest_addoption(parser):
@@ -103,3 +107,40 @@ def write_hf_model(directory: Path, cfg: dict, tensors: dict[str, np.ndarray] | 
 @pytest.fixture
 def tiny_model(tmp_path) -> Path:
     return write_hf_model(tmp_path / "src", tiny_config())
+
+
+# --- oracle fixtures (tests/oracle) ------------------------------------------------------------
+
+def oracle_names():
+    return sorted(p.name for p in COMMITTED.iterdir() if (p / "reference.npz").exists())
+
+
+@pytest.fixture(scope="session")
+def fixture_root(request, tmp_path_factory) -> Path:
+    if not request.config.getoption("--oracle-fresh"):
+        return COMMITTED
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("oracle-fresh")
+    seed = random.SystemRandom().randrange(1, 2**31)
+    print(f"\nregenerating oracle fixtures with seed {seed} into {out}")
+    subprocess.run([sys.executable, "-m", "tests.oracle.generate", "--out", str(out), "--seed", str(seed)],
+                   cwd=ROOT, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def containers(fixture_root, tmp_path_factory):
+    """Each fixture converted once per bit width through the command line."""
+    made = {}
+
+    def get(name: str, bits: int) -> Path:
+        if (name, bits) not in made:
+            out = tmp_path_factory.mktemp(f"{name}-{bits}") / "c"
+            from colibri_tui.cli import main as coli
+            assert coli(["convert", str(fixture_root / name / "model"), str(out), "--bits", str(bits)]) == 0
+            made[(name, bits)] = out
+        return made[(name, bits)]
+    return get
+
+

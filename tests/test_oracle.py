@@ -8,9 +8,6 @@ first (needs the ``oracle`` extra) so the checks also hold on models nobody has 
 from __future__ import annotations
 
 import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,42 +17,9 @@ from colibri_tui.cli import main as coli
 from core import kernels
 from core.engine import KVCache
 from models import open_model
-from tests.conftest import ROOT
+from tests.conftest import ROOT, oracle_names as _names
 
-COMMITTED = ROOT / "tests" / "oracle" / "fixtures"
 AGREEMENT: dict[str, float] = {}
-
-
-@pytest.fixture(scope="session")
-def fixture_root(request, tmp_path_factory) -> Path:
-    if not request.config.getoption("--oracle-fresh"):
-        return COMMITTED
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    out = tmp_path_factory.mktemp("oracle-fresh")
-    seed = random.SystemRandom().randrange(1, 2**31)
-    print(f"\nregenerating oracle fixtures with seed {seed} into {out}")
-    subprocess.run([sys.executable, "-m", "tests.oracle.generate", "--out", str(out), "--seed", str(seed)],
-                   cwd=ROOT, check=True)
-    return out
-
-
-def _names():
-    return sorted(p.name for p in COMMITTED.iterdir() if (p / "reference.npz").exists())
-
-
-@pytest.fixture(scope="session")
-def containers(fixture_root, tmp_path_factory):
-    """Each fixture converted once per bit width through the command line."""
-    made = {}
-
-    def get(name: str, bits: int) -> Path:
-        if (name, bits) not in made:
-            out = tmp_path_factory.mktemp(f"{name}-{bits}") / "c"
-            assert coli(["convert", str(fixture_root / name / "model"), str(out), "--bits", str(bits)]) == 0
-            made[(name, bits)] = out
-        return made[(name, bits)]
-    return get
 
 
 def _ref(fixture_root, name):

@@ -1,0 +1,102 @@
+"""How many experts per layer fit in RAM, and what bounds speed: ``coli plan`` and open_model."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import psutil
+
+from .arch import ArchSpec
+from .container import Container
+from .errors import ColiError
+from .safetensors_io import DTYPES
+
+GB = 1e9
+RUNTIME_OVERHEAD = 512 << 20      # interpreter, libraries, KV cache and activations (small contexts)
+AUTO_SHARE = 0.75                 # share of available memory the automatic budget may take
+ALIGN = 4096
+
+
+@dataclass
+class Plan:
+    mode: str                     # 'cap' | 'ram-gb' | 'auto'
+    cap: int                      # RAM slots per MoE layer
+    num_experts: int
+    moe_layers: int
+    expert_bytes: int             # all routed experts on disk
+    expert_slot_bytes: int        # one RAM slot (largest expert, aligned)
+    ram_expert_bytes: int         # the slot pool: the RAM budget for experts
+    dense_bytes: int              # resident dense weights as held in RAM
+    available_bytes: int
+    active_expert_bytes_per_token: int
+    projected_hit_rate: float
+    bound: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def slot_bytes(container: Container) -> int:
+    span = max(loc.end - loc.start for loc in container.experts.values())
+    return (span + 3 * ALIGN - 1) // ALIGN * ALIGN
+
+
+def dense_ram_bytes(container: Container) -> int:
+    """Bytes the dense weights take once loaded (16-bit floats are widened to float32)."""
+    total = 0
+    for name, (_, info) in container.index.items():
+        from .container import tensor_place
+        if tensor_place(name)[1] is not None:
+            continue
+        widen = 4 // DTYPES[info.dtype].itemsize if info.dtype in ("BF16", "F16") else 1
+        total += info.nbytes * widen
+    return total
+
+
+def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None, cap: int | None = None,
+              usage: dict | None = None, disk_gbps: float = 1.0, ram_gbps: float = 25.0) -> Plan:
+    if ram_gb is not None and cap is not None:
+        raise ColiError("give --ram-gb or --cap, not both")
+    experts = container.experts
+    layers = sorted({l for l, _ in experts})
+    E = spec.num_experts
+    slot = slot_bytes(container)
+    dense = dense_ram_bytes(container)
+    available = psutil.virtual_memory().available
+    if cap is not None:
+        if cap < 1:
+            raise ColiError("--cap must be >= 1")
+        mode, n = "cap", cap
+    elif ram_gb is not None:
+        if ram_gb <= 0:
+            raise ColiError("--ram-gb must be > 0")
+        mode, n = "ram-gb", int(ram_gb * GB // (slot * max(1, len(layers))))
+        if n < 1:
+            raise ColiError(f"--ram-gb {ram_gb:g} is too small: one expert per layer needs "
+                            f"{slot * len(layers) / GB:.3f} GB")
+    else:
+        budget = AUTO_SHARE * available - dense - RUNTIME_OVERHEAD
+        mode, n = "auto", max(1, int(budget // (slot * max(1, len(layers)))))
+    n = min(n, E)
+    expert_total = sum(l.end - l.start for l in experts.values())
+    per_expert = expert_total / max(1, len(experts))
+    active = int(per_expert * spec.top_k * len(layers))
+    hit = _projected_hit_rate(usage, layers, E, n)
+    disk_s = active * (1 - hit) / (disk_gbps * GB)
+    ram_s = (active * hit + dense) / (ram_gbps * GB)
+    bound = "disk" if disk_s > ram_s else "ram-bandwidth"
+    return Plan(mode, n, E, len(layers), expert_total, slot, slot * n * len(layers), dense, available,
+                active, hit, bound)
+
+
+def _projected_hit_rate(usage: dict | None, layers, E: int, cap: int) -> float:
+    """Share of routing mass on each layer's ``cap`` hottest experts (usage history), else cap/E."""
+    if cap >= E:
+        return 1.0
+    if not usage:
+        return cap / E
+    rates = []
+    for layer in layers:
+        counts = sorted((c for (l, _), c in usage.items() if l == layer), reverse=True)
+        total = sum(counts)
+        rates.append(sum(counts[:cap]) / total if total else cap / E)
+    return sum(rates) / len(rates)

@@ -1,0 +1,271 @@
+"""The tiered expert store: a fixed pool of RAM slots per MoE layer in front of the SSD.
+
+* RAM tier: ``cap`` aligned slots per layer (colibrì's ``--cap``), allocated once, so the RAM
+  budget is a promise: nothing else grows with the model. Pinned experts (a hot set learned from
+  the usage history) take slots first and are never evicted.
+* Disk tier: one positioned read per expert (its tensors are one contiguous byte range) straight
+  into a slot, in a thread pool (``os.preadv`` releases the GIL), optionally with ``O_DIRECT``
+  (aligned reads into aligned slots; falls back to buffered reads where the filesystem refuses).
+* ``request(layer, ids)`` yields hits at once, then each miss as soon as its read completes, so
+  the layer computes resident experts while the others load. When the request needs more experts
+  than there are slots (``cap`` < top-k or a prefill batch-union), slots of experts the caller has
+  already consumed are reused: the generator protocol guarantees a yielded expert has been used
+  by the time the next one is asked for.
+* ``prefetch(layer, ids)`` starts reads for the next layer's predicted experts; it only evicts in
+  that layer's pool, so it can never evict what the current layer holds.
+
+Weights are parsed in place (numpy views over the slot), so a hit costs no copy.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from .container import Container
+from .errors import ColiError
+from .planner import ALIGN, slot_bytes
+from .policies import LRU, Policy
+from .store import ExpertFFN, ExpertStore
+
+
+
+def _aligned_buffer(nbytes: int) -> memoryview:
+    """Page-aligned, zero-filled memory (anonymous mmap), as O_DIRECT requires."""
+    return memoryview(mmap.mmap(-1, max(nbytes, ALIGN)))
+
+
+@dataclass
+class _Slot:
+    buf: memoryview
+    expert: int = -1
+    ffn: ExpertFFN | None = None
+    future: Future | None = None      # read in flight
+    prefetched: bool = False          # loaded by prefetch, not yet requested
+
+
+@dataclass
+class _Layer:
+    slots: list[_Slot]
+    where: dict[int, int] = field(default_factory=dict)     # expert -> slot index
+
+
+class TieredStore(ExpertStore):
+    tiers = ("ram", "disk")
+
+    def __init__(self, container: Container, cap: int, policy: Policy | None = None,
+                 o_direct: bool = False, io_threads: int = 4, prefetch: bool = True):
+        if cap < 1:
+            raise ColiError("the RAM budget is too small for even one expert per layer")
+        self.container, self.cap = container, cap
+        self.policy = policy or LRU()
+        self.prefetch_enabled = prefetch
+        self._layers_of = sorted({layer for layer, _ in container.experts})
+        self.num_experts = 1 + max(e for _, e in container.experts)
+        self.slot_bytes = slot_bytes(container)        # largest expert + room to align reads
+        self.layers = {l: _Layer([_Slot(_aligned_buffer(self.slot_bytes)) for _ in range(cap)])
+                       for l in self._layers_of}
+        self.o_direct = False
+        self._fds: dict[str, int] = {}
+        self._open_files(o_direct)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="coli-io")
+        self._lock = threading.Lock()
+        self.reset_stats()
+        self._pin()
+
+    # --- files -----------------------------------------------------------------------------------
+    def _open_files(self, o_direct: bool) -> None:
+        flag = getattr(os, "O_DIRECT", 0) if o_direct else 0
+        if o_direct and not flag:
+            print("colibri: O_DIRECT is not available on this OS; using buffered reads", file=sys.stderr)
+        for f in self.container.files:
+            key = str(f.path)
+            fd = -1
+            if flag:
+                try:
+                    fd = os.open(f.path, os.O_RDONLY | flag)
+                except OSError as e:
+                    print(f"colibri: O_DIRECT refused for {f.path.name} ({e.strerror}); "
+                          f"using buffered reads", file=sys.stderr)
+                    flag = 0
+            if fd < 0:
+                fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self._fds[key] = fd
+        self.o_direct = bool(flag)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # --- reading -----------------------------------------------------------------------------------
+    def _read(self, layer: int, expert: int, slot: _Slot) -> ExpertFFN:
+        """Runs in an I/O thread: one read of the expert's range into the slot, parsed in place."""
+        loc = self.container.experts[(layer, expert)]
+        fd = self._fds[str(loc.shard.path)]
+        start, n = loc.start, loc.end - loc.start
+        if self.o_direct:
+            lo = start // ALIGN * ALIGN
+            length = (start + n - lo + ALIGN - 1) // ALIGN * ALIGN
+            head = start - lo
+        else:
+            lo, length, head = start, n, 0
+        t0 = time.perf_counter()
+        got = self._pread(fd, slot.buf[:length], lo)
+        if got < head + n:
+            raise ColiError(f"{loc.shard.path.name} is truncated: expert {layer}/{expert} could not be read")
+        with self._lock:
+            self._stats["bytes_read"] += n
+            self._stats["read_s"] += time.perf_counter() - t0
+        return ExpertFFN.from_parts(self.container.expert_weights(layer, expert, slot.buf[head:head + n]), n)
+
+    def _pread(self, fd: int, view: memoryview, offset: int) -> int:
+        got = 0
+        while got < len(view):
+            try:
+                k = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.o_direct:
+                    raise ColiError("O_DIRECT read refused by the filesystem; run without --o-direct") from None
+                raise
+            if k == 0:
+                break
+            got += k
+        return got
+
+    def _start(self, layer: int, expert: int, slot_index: int, prefetched: bool) -> _Slot:
+        L = self.layers[layer]
+        slot = L.slots[slot_index]
+        if slot.expert >= 0:
+            L.where.pop(slot.expert, None)
+            self.policy.forget(layer, slot.expert)
+        slot.expert, slot.ffn, slot.prefetched = expert, None, prefetched
+        slot.future = self._pool.submit(self._read, layer, expert, slot)
+        L.where[expert] = slot_index
+        return slot
+
+    def _ready(self, slot: _Slot) -> ExpertFFN:
+        if slot.ffn is None:
+            t0 = time.perf_counter()
+            slot.ffn = slot.future.result()
+            self._stats["disk_wait_s"] += time.perf_counter() - t0
+            slot.future = None
+        return slot.ffn
+
+    def _free_slot(self, layer: int, protected: set[int]) -> int | None:
+        """An empty slot, else the policy's victim among evictable resident experts."""
+        L = self.layers[layer]
+        candidates = []
+        for i, s in enumerate(L.slots):
+            if s.expert < 0:
+                return i
+            if s.expert in protected or s.expert in self._pinned.get(layer, ()):
+                continue
+            if s.future is not None and not s.future.done():
+                continue      # a read in flight into this slot
+            candidates.append(s.expert)
+        if not candidates:
+            return None
+        return L.where[self.policy.victim(layer, candidates)]
+
+    def _pin(self) -> None:
+        self._pinned: dict[int, set[int]] = {}
+        for layer in self._layers_of:
+            hot = [e for e in sorted(self.policy.pinned(layer)) if (layer, e) in self.container.experts]
+            hot = hot[: max(0, self.cap - 1)]        # leave at least one slot for the rest
+            self._pinned[layer] = set(hot)
+            for i, e in enumerate(hot):
+                self._start(layer, e, i, prefetched=False)
+        for layer in self._layers_of:
+            for e in self._pinned[layer]:
+                self._ready(self.layers[layer].slots[self.layers[layer].where[e]])
+        self.reset_stats()
+
+    # --- the interface -------------------------------------------------------------------------------
+    def has(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self.container.experts
+
+    def request(self, layer, expert_ids):
+        L = self.layers[layer]
+        ids = list(dict.fromkeys(int(e) for e in expert_ids))
+        self.policy.step(layer)
+        st = self._stats
+        waiting = [e for e in ids if e not in L.where]        # misses not yet given a slot
+        st["misses"] += len(waiting)
+        st["hits"] += len(ids) - len(waiting)
+        for e in ids:
+            if e in L.where and L.slots[L.where[e]].prefetched:
+                st["prefetch_used"] += 1
+                L.slots[L.where[e]].prefetched = False
+        protected = set(ids)          # experts of this request not yet consumed: never evicted
+
+        def launch():
+            while waiting:
+                i = self._free_slot(layer, protected)
+                if i is None:
+                    return
+                self._start(layer, waiting.pop(0), i, prefetched=False)
+
+        launch()
+        remaining = [e for e in ids]
+        while remaining:
+            slots = {e: L.slots[L.where[e]] for e in remaining if e in L.where}
+            ready = [e for e, sl in slots.items() if sl.future is None or sl.future.done()]
+            if not ready:
+                inflight = [sl.future for sl in slots.values()] or \
+                           [sl.future for sl in L.slots if sl.future is not None]
+                if not inflight:
+                    raise RuntimeError("expert store: no slot can be freed")   # cap >= 1 prevents it
+                t0 = time.perf_counter()
+                wait(inflight, return_when=FIRST_COMPLETED)
+                st["disk_wait_s"] += time.perf_counter() - t0
+                launch()
+                continue
+            for e in ready:
+                self.policy.touch(layer, e)
+                yield e, self._ready(L.slots[L.where[e]])
+                remaining.remove(e)
+                protected.discard(e)      # consumed: its slot may serve the rest of this request
+                launch()
+
+    def prefetch(self, layer, expert_ids):
+        if not self.prefetch_enabled or layer not in self.layers:
+            return
+        L = self.layers[layer]
+        issued = 0
+        for e in expert_ids:
+            e = int(e)
+            if e in L.where:
+                continue
+            i = self._free_slot(layer, set(int(x) for x in expert_ids))
+            if i is None:
+                break
+            self._start(layer, e, i, prefetched=True)
+            issued += 1
+        self._stats["prefetch_issued"] += issued
+
+    def reset_stats(self) -> None:
+        self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "disk_wait_s": 0.0, "read_s": 0.0,
+                       "prefetch_issued": 0, "prefetch_used": 0}
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        total = s["hits"] + s["misses"]
+        s["hit_rate"] = s["hits"] / total if total else 1.0
+        s["tiers"] = list(self.tiers)
+        s["cap"] = self.cap
+        s["slot_bytes"] = self.slot_bytes
+        s["ram_bytes"] = self.slot_bytes * self.cap * len(self.layers)
+        s["o_direct"] = self.o_direct
+        return s
+
+    def resident(self) -> dict[int, dict[int, str]]:
+        """layer -> {expert: 'pinned' | 'ram'} for the live view."""
+        return {l: {e: ("pinned" if e in self._pinned.get(l, ()) else "ram") for e in L.where}
+                for l, L in self.layers.items()}

@@ -1,0 +1,85 @@
+"""The one law: placement decides speed, never output. Logits and greedy tokens are byte-identical
+whatever the RAM tier holds, with prefetch on or off, O_DIRECT on or off, 1 or 2 threads."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from core import kernels
+from core.engine import KVCache
+from core.errors import ColiError
+from models import open_model
+from tests.conftest import oracle_names
+
+
+def _decode_logits(engine, prompt, n):
+    cache = KVCache(engine.spec)
+    logits = [engine.forward(prompt, cache)[-1]]
+    for _ in range(n - 1):
+        logits.append(engine.forward([int(np.argmax(logits[-1]))], cache)[-1])
+    return np.stack(logits)
+
+
+def _variants(top_k, num_experts):
+    yield dict(cap=num_experts, prefetch=False)
+    yield dict(cap=1)
+    yield dict(cap=2, prefetch=False)
+    yield dict(cap=top_k, policy="lfru")
+    yield dict(cap=1, o_direct=True)
+    yield dict(cap=2, threads=1)
+    yield dict(cap=2, threads=2, policy="pinned")
+
+
+@pytest.mark.parametrize("name", oracle_names())
+def test_logits_identical_across_placements(name, fixture_root, containers):
+    ids = np.load(fixture_root / name / "reference.npz")["ids"].tolist()
+    c4 = containers(name, 4)
+    base = open_model(c4)
+    want_tf, want_dec = base.logits(ids), _decode_logits(base, ids[:6], 12)
+    spec = base.spec
+    for kw in _variants(spec.top_k, spec.num_experts):
+        engine = open_model(c4, **kw)
+        np.testing.assert_array_equal(engine.logits(ids), want_tf, err_msg=str(kw))
+        np.testing.assert_array_equal(_decode_logits(engine, ids[:6], 12), want_dec, err_msg=str(kw))
+        engine.store.close()
+    kernels.set_threads(0)
+
+
+def test_small_cap_reads_from_disk_and_counts(containers):
+    name = oracle_names()[0]
+    c4 = containers(name, 4)
+    engine = open_model(c4, cap=1)
+    events = list(engine.generate([1, 2, 3, 4], max_new_tokens=6))
+    final = [e for e in events if type(e).__name__ == "Stats"][-1].as_dict()
+    assert final["final"] and final["misses"] > 0 and final["bytes_read"] > 0
+    assert 0 <= final["hit_rate"] < 1
+    assert final["prefetch_issued"] >= final["prefetch_used"] >= 0
+    per_token = [e for e in events if type(e).__name__ == "Stats"][:-1]
+    assert len(per_token) == 6 and not per_token[0].extra["final"]
+    full = open_model(c4)
+    list(full.generate([1, 2, 3, 4], max_new_tokens=6))
+    st = full.store.stats()    # everything fits: each used expert is read once, by a miss or a prefetch
+    assert st["misses"] + st["prefetch_used"] == len(full.usage)
+
+
+def test_budget_too_small_and_bad_containers(containers, tmp_path):
+    c4 = containers(oracle_names()[0], 4)
+    with pytest.raises(ColiError, match="too small: one expert per layer needs"):
+        open_model(c4, ram_gb=1e-9)
+    with pytest.raises(ColiError, match="--cap must be >= 1"):
+        open_model(c4, cap=0)
+    with pytest.raises(ColiError, match="unknown cache policy"):
+        open_model(c4, policy="fifo")
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(c4, broken)
+    shard = json.loads((broken / "colibri.json").read_text())["shards"][0]
+    data = (broken / shard).read_bytes()
+    (broken / shard).write_bytes(data[: len(data) - 100])
+    with pytest.raises(ColiError, match=f"{shard} is truncated"):
+        open_model(broken, cap=1)
+    (broken / shard).unlink()
+    with pytest.raises(ColiError, match=f"shard {shard} is missing"):
+        open_model(broken, cap=1)
