@@ -24,6 +24,7 @@ import psutil
 from . import quant
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, tensor_place
 from .errors import ColiError
+from .fileio import atomic_write_text
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
@@ -212,15 +213,6 @@ def _write_shard(path: Path, outs: list[_Out], group_size: int, files_by_name, r
     return quantized
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class _Lock:
     def __init__(self, out: Path):
         self.path = out / LOCK
@@ -330,7 +322,7 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
                 done_bytes = base + shard_src
                 quantized.update(q)
                 journal["done"][name] = q
-                _atomic_write_text(journal_path, json.dumps(journal))
+                atomic_write_text(journal_path, json.dumps(journal))
             for fname in COPIED_FILES:
                 if (src / fname).exists():
                     tmp = out / (fname + ".tmp")
@@ -344,7 +336,7 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
                 "shards": [name for name, _ in plan],
                 "tensors": dict(sorted(quantized.items())),
             }
-            _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+            atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
             journal_path.unlink(missing_ok=True)
         except OSError as e:
             if e.errno == errno.ENOSPC:

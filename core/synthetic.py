@@ -1,0 +1,328 @@
+"""Random-weight containers written directly (no transformers, no Hugging Face source).
+
+``write_random_container(out, config)`` produces the same directory ``coli convert`` would
+produce from a checkpoint of that ``config``: the same shards (one per decoder layer plus
+``model-other.safetensors``), the same tensor order inside each shard (dense tensors by name, then
+each routed expert's tensors as one contiguous byte range), the same per-class schemes (experts,
+attention and dense MLPs int4-g64 or int8 at ``bits=8``; embeddings and lm_head int8 per row;
+norms, router and biases F32) and the same ``colibri.json`` manifest. The layout is computed with
+the converter's own planner, so the two cannot drift apart.
+
+It is meant for benchmarks and tests at real geometry without downloading a model:
+
+* **Streams:** every tensor is generated and written in chunks of ``CHUNK_BYTES``, so memory stays
+  at a few MiB whatever the model size.
+* **Fast:** quantized bytes come straight from the bit generator (``random_raw``) with a few
+  word-wide bit operations (≈ 0.5–0.8 GB/s on one core), not through float32 weights.
+* **Realistic enough to run:** int4 codes are symmetric in −7..7 (what the quantizer produces:
+  code −8 never occurs) and scales make each weight's std ≈ 1/sqrt(fan_in), so activations keep
+  a unit scale through the layers; int8 codes are symmetric in −127..127; router weights are
+  normal(0, 1)·``ROUTER_GAIN``/sqrt(hidden), so router logits have std ≈ ``ROUTER_GAIN`` and the
+  top-k varies from token to token; norms are ones and biases zeros.
+* **Deterministic:** each tensor's bytes depend only on (seed, tensor name, shape), never on
+  chunking or on the other tensors. Shards are written to a temp file and renamed; a journal lets
+  an interrupted run resume; ``colibri.json`` is written last.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import quant
+from .container import FORMAT, FORMAT_VERSION, MANIFEST
+# the converter's own planner and helpers, so that the layout cannot drift from `coli convert`
+from .converter import (CONVERTER_VERSION, Progress, _class_summary, _Lock, _Out, _plan, _Source,
+                        _space_check)
+from .errors import ColiError
+
+try:
+    from .fileio import atomic_write_text as _atomic_write_text
+except ImportError:                      # older tree: the helper lived in the converter
+    from .converter import _atomic_write_text
+from .safetensors_io import SafetensorsWriter
+
+GENERATOR_VERSION = 1
+JOURNAL = ".coli_synthetic.json"
+CHUNK_BYTES = 128 << 10          # generated and written at a time (cache-sized: fastest here)
+ROUTER_GAIN = 2.0                # std of the router logits for a unit-RMS hidden state
+EMBED_STD = 1.0
+
+_INT4_CODE_RMS = float(np.sqrt(2 * sum(k * k for k in range(1, 8)) / 16))      # ≈ 4.18
+_INT8_CODE_RMS = float(np.sqrt(2 * sum(k * k for k in range(1, 128)) / 256))   # ≈ 73.5
+_M8 = np.uint64(0x8888888888888888)
+_H80 = np.uint64(0x8080808080808080)
+_L7F = np.uint64(0x7F7F7F7F7F7F7F7F)
+_U1, _U2 = np.uint64(1), np.uint64(2)
+
+
+# --- which tensors a config has --------------------------------------------------------------------
+def _reader(config: dict):
+    """The family's config reader (transformers defaults for absent fields) and its ArchSpec."""
+    import importlib
+
+    from models.registry import family_for, validate_config   # lazy: models imports core
+    from core.arch import ConfigReader
+
+    validate_config(config)
+    fam = family_for(config)
+    mod = importlib.import_module(fam.__module__)
+    r = ConfigReader(fam.model_type, config, getattr(mod, "DEFAULTS", {}), getattr(mod, "ALIASES", {}))
+    return r, fam.spec(config)
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape of the checkpoint ``config`` describes."""
+    r, spec = _reader(config)
+    H, V, D = spec.hidden_size, spec.vocab_size, spec.head_dim
+    nh, nkv, E = spec.num_heads, spec.num_kv_heads, spec.num_experts
+    if spec.qk_norm == "per_head":
+        inter = r.int("moe_intermediate_size")
+        dense_inter = r.int("intermediate_size")
+    else:
+        inter = dense_inter = r.int("intermediate_size")
+    bias = bool(r.get("attention_bias"))
+    t: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not spec.tie_word_embeddings:
+        t["lm_head.weight"] = (V, H)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = (H,)
+        t[p + "post_attention_layernorm.weight"] = (H,)
+        outs = {"q": nh * D, "k": nkv * D, "v": nkv * D}
+        for n, o in outs.items():
+            t[p + f"self_attn.{n}_proj.weight"] = (o, H)
+            if bias:
+                t[p + f"self_attn.{n}_proj.bias"] = (o,)
+        t[p + "self_attn.o_proj.weight"] = (H, nh * D)
+        if bias:
+            t[p + "self_attn.o_proj.bias"] = (H,)
+        if spec.qk_norm == "per_head":
+            t[p + "self_attn.q_norm.weight"] = t[p + "self_attn.k_norm.weight"] = (D,)
+        elif spec.qk_norm == "full":
+            t[p + "self_attn.q_norm.weight"] = (nh * D,)
+            t[p + "self_attn.k_norm.weight"] = (nkv * D,)
+        if spec.mlp_kinds[i] == "moe":
+            t[p + "mlp.gate.weight"] = (E, H)
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                t[q + "gate_proj.weight"] = t[q + "up_proj.weight"] = (inter, H)
+                t[q + "down_proj.weight"] = (H, inter)
+        else:
+            t[p + "mlp.gate_proj.weight"] = t[p + "mlp.up_proj.weight"] = (dense_inter, H)
+            t[p + "mlp.down_proj.weight"] = (H, dense_inter)
+    return t
+
+
+def plan(config: dict, bits: int = 4) -> list[tuple[str, list[_Out]]]:
+    """The converter's shard plan for a checkpoint of ``config`` (float32 sources)."""
+    sources = {n: _Source(n, None, "F32", s) for n, s in tensor_shapes(config).items()}
+    return _plan(sources, bits)
+
+
+def container_bytes(config: dict, bits: int = 4, group_size: int = 64) -> dict[str, int]:
+    """Planned bytes: {'total': ..., 'experts': ...} (tensor data, headers excluded)."""
+    total = experts = 0
+    for _, outs in plan(config, bits):
+        for o in outs:
+            n = SafetensorsWriter.planned_size(o.entries(group_size))
+            total += n
+            if ".experts." in o.source.name:
+                experts += n
+    return {"total": total, "experts": experts}
+
+
+# --- random bytes ----------------------------------------------------------------------------------
+def _rngs(seed: int, name: str) -> tuple[np.random.Generator, np.random.Generator]:
+    """Two independent streams (codes, scales) that depend only on (seed, name)."""
+    key = zlib.crc32(name.encode())
+    return (np.random.Generator(np.random.PCG64([seed, key, 0])),
+            np.random.Generator(np.random.PCG64([seed, key, 1])))
+
+
+class _Scratch:
+    """Two reusable word buffers for the bit operations (fresh temporaries cost page faults)."""
+
+    def __init__(self, nbytes: int = CHUNK_BYTES):
+        self.a = np.empty(-(-nbytes // 8), np.uint64)
+        self.b = np.empty(-(-nbytes // 8), np.uint64)
+
+
+def _int4_codes(rng: np.random.Generator, nbytes: int, sc: _Scratch) -> np.ndarray:
+    """Random packed int4 bytes, each nibble uniform over codes 1..15 except that code 0 (value
+    -8, which the quantizer never produces) becomes 8 (value 0): values -7..7, mean 0."""
+    n = -(-nbytes // 8)
+    x, z, t = rng.bit_generator.random_raw(n), sc.a[:n], sc.b[:n]
+    np.left_shift(x, _U1, out=z)
+    np.bitwise_or(z, x, out=z)
+    np.left_shift(z, _U2, out=t)
+    np.bitwise_or(z, t, out=z)            # bit 3 of each nibble = OR of the nibble's 4 bits
+    np.bitwise_not(z, out=z)
+    np.bitwise_and(z, _M8, out=z)         # 0x8 where the nibble was 0
+    np.bitwise_or(x, z, out=x)
+    return x.view(np.uint8)[:nbytes]
+
+
+def _int8_codes(rng: np.random.Generator, nbytes: int, sc: _Scratch) -> np.ndarray:
+    """Random int8 bytes with -128 (never produced by the quantizer) mapped to 0."""
+    n = -(-nbytes // 8)
+    x, y, t = rng.bit_generator.random_raw(n), sc.a[:n], sc.b[:n]
+    np.bitwise_xor(x, _H80, out=y)        # zero bytes where x was 0x80
+    np.bitwise_and(y, _L7F, out=t)
+    np.add(t, _L7F, out=t)
+    np.bitwise_or(t, y, out=t)            # high bit set iff the byte of y is non-zero
+    np.bitwise_not(t, out=t)
+    np.bitwise_and(t, _H80, out=t)
+    np.bitwise_xor(x, t, out=x)
+    return x.view(np.uint8)[:nbytes]
+
+
+def _target_std(name: str, shape: tuple[int, ...]) -> float:
+    if "embed_tokens" in name:
+        return EMBED_STD
+    return 1.0 / np.sqrt(shape[1])        # fan_in: activations keep a unit scale
+
+
+def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc: _Scratch) -> None:
+    name, shape, scheme = o.source.name, o.source.shape, o.scheme
+    crng, srng = _rngs(seed, name)
+    if scheme in ("int4", "int8"):
+        rows, cols = shape
+        std = _target_std(name, shape)
+        if scheme == "int4":
+            (_, row_bytes), (_, groups) = quant.int4_shapes(rows, cols, group_size)
+            codes, base, sshape = _int4_codes, std / _INT4_CODE_RMS, (rows, groups)
+        else:
+            row_bytes, groups = cols, 1
+            codes, base, sshape = _int8_codes, std / _INT8_CODE_RMS, (rows,)
+        total = rows * row_bytes
+        for off in range(0, total, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, total - off)
+            block = codes(crng, n, sc)
+            if scheme == "int4" and cols % 2:      # the converter pads the odd column with code 8
+                last = np.arange((-(off + 1)) % row_bytes, n, row_bytes)
+                block[last] = (block[last] & 0x0F) | 0x80
+            w.write(name, block, off)
+        srows = max(1, CHUNK_BYTES // (4 * groups))
+        for r0 in range(0, rows, srows):
+            r1 = min(rows, r0 + srows)
+            u = srng.random((r1 - r0) * groups, dtype=np.float32)
+            s = (np.float32(base) * (np.float32(0.75) + np.float32(0.5) * u)).astype(np.float32)
+            w.write(name + ".qs", s, r0 * groups * 4)
+        return
+    # F32 (norms, router, biases): small, written whole
+    if name.endswith("norm.weight"):
+        a = np.ones(shape, np.float32)
+    elif len(shape) == 2:   # router
+        a = (srng.standard_normal(shape, dtype=np.float32) * np.float32(ROUTER_GAIN / np.sqrt(shape[1])))
+    else:                   # biases
+        a = np.zeros(shape, np.float32)
+    w.write(name, a.astype(np.float32))
+
+
+# --- the container ---------------------------------------------------------------------------------
+def write_random_container(out: str | Path, config: dict, bits: int = 4, group_size: int = 64,
+                           seed: int = 0, progress: Callable[[Progress], None] | None = None) -> Path:
+    """Write a random-weight container for ``config`` (olmoe or qwen3_moe) at ``out``.
+
+    Rerunning with the same arguments on a finished container returns at once; on an interrupted
+    one it resumes from the last complete shard. Other arguments on an existing container are
+    refused. ``progress`` receives the converter's ``Progress`` (bytes of container data)."""
+    out = Path(out)
+    if bits not in (4, 8):
+        raise ColiError(f"bits must be 4 or 8 for a random container, not {bits}")
+    if group_size < 2 or group_size % 2:
+        raise ColiError(f"group_size must be an even number >= 2, not {group_size}")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ColiError("config must be a dict with a model_type")
+    shards = plan(config, bits)
+    config_text = json.dumps(config, indent=1, sort_keys=True) + "\n"
+    params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
+              "source": "synthetic", "seed": int(seed), "generator_version": GENERATOR_VERSION,
+              "config_crc32": zlib.crc32(config_text.encode())}
+    out.mkdir(parents=True, exist_ok=True)
+    with _Lock(out):
+        manifest_path, journal_path = out / MANIFEST, out / JOURNAL
+        if manifest_path.exists():
+            try:
+                done_params = json.loads(manifest_path.read_text()).get("converter", {}).get("params")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                done_params = None
+            if done_params == params:
+                return out
+            raise ColiError(f"{out} already holds a container made with other parameters; "
+                            f"choose another directory or delete it")
+        journal = {"params": params, "done": {}}
+        if journal_path.exists():
+            try:
+                old = json.loads(journal_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                old = None
+            if isinstance(old, dict) and old.get("params") == params:
+                journal = old
+        sizes = {name: SafetensorsWriter.planned_size([e for o in outs for e in o.entries(group_size)])
+                 for name, outs in shards}
+        total = sum(sizes.values())
+
+        def finished(name: str) -> bool:
+            p = out / name
+            return name in journal["done"] and p.exists() and p.stat().st_size >= sizes[name]
+
+        _space_check(out, sum(sz for n, sz in sizes.items() if not finished(n)))
+        done = 0
+        scratch = _Scratch()
+        quantized: dict[str, dict] = {}
+        try:
+            (out / "config.json").write_text(config_text)
+            gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+            (out / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
+            for i, (name, outs) in enumerate(shards):
+                q = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
+                                     **({"group_size": group_size} if o.scheme == "int4" else {})}
+                     for o in outs if o.scheme in ("int4", "int8")}
+                if not finished(name):
+                    w = SafetensorsWriter(out / name, [e for o in outs for e in o.entries(group_size)],
+                                          metadata={"format": FORMAT})
+                    try:
+                        for o in outs:
+                            _write_tensor(w, o, group_size, seed, scratch)
+                            done += SafetensorsWriter.planned_size(o.entries(group_size))
+                            if progress:
+                                progress(Progress(done, total, name, i, len(shards), o.source.name))
+                        w.commit()
+                    except BaseException:
+                        w.abort()
+                        raise
+                    journal["done"][name] = True
+                    _atomic_write_text(journal_path, json.dumps(journal))
+                done = sum(sizes[n] for n, _ in shards[: i + 1])
+                if progress:
+                    progress(Progress(done, total, name, i, len(shards)))
+                quantized.update(q)
+            manifest = {
+                "format": FORMAT, "format_version": FORMAT_VERSION,
+                "model_type": config.get("model_type"),
+                "converter": {"params": params, "bits": bits, "group_size": group_size},
+                "classes": _class_summary(bits, group_size),
+                "shards": [name for name, _ in shards],
+                "tensors": dict(sorted(quantized.items())),
+                "synthetic": {"seed": int(seed), "generator_version": GENERATOR_VERSION,
+                              "router_gain": ROUTER_GAIN,
+                              "note": "random weights: for benchmarks and tests, not a language model"},
+            }
+            _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
+            journal_path.unlink(missing_ok=True)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise ColiError(f"no space left on the device holding {out}; free some space and "
+                                f"rerun the same command to resume") from None
+            raise
+    return out
+
+
+__all__ = ["write_random_container", "tensor_shapes", "plan", "container_bytes"]
