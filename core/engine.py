@@ -123,8 +123,26 @@ class Engine:
         # lookahead: after layer i's attention, the next MoE layer's norm + router predict its experts
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(spec.num_layers)}
         self.trace = None            # a core.trace.TraceWriter while recording
-        self.usage: dict[tuple[int, int], int] = {}
+        self.usage: dict[tuple[int, int], int] = {}        # routing counts since the last save
+        self.usage_history: dict[tuple[int, int], float] = {}
+        self.usage_file = None       # where save_usage() writes the merged history (.coli_usage)
         self.reset_counters()
+
+    def save_usage(self) -> None:
+        """Merge this run's routing counts into the persisted history (read by the pinned policy
+        and ``coli plan``). A history that cannot be written costs a warning, never the reply."""
+        if self.usage_file is None or not self.usage:
+            return
+        from .usage import save_usage
+        for k, v in self.usage.items():
+            self.usage_history[k] = self.usage_history.get(k, 0) + v
+        self.usage = {}
+        try:
+            save_usage(self.usage_file, self.usage_history, self.spec.num_layers, self.spec.num_experts)
+        except ColiError as e:
+            import sys
+            print(f"coli: warning: routing history not saved ({e})", file=sys.stderr)
+            self.usage_file = None
 
     def reset_counters(self) -> None:
         self.counters = {"attention_s": 0.0, "experts_s": 0.0, "lm_head_s": 0.0,
@@ -317,5 +335,6 @@ class Engine:
             text += decoder.flush() if decoder is not None else ""
             if emitted < len(text):
                 yield Token(-1, text[emitted:])     # held-back tail, no new token
+        self.save_usage()
         yield stats(final=True)
         yield Done(reason)

@@ -150,3 +150,18 @@ def counts_from_trace(trace) -> dict[tuple[int, int], int]:
         for e in ids:
             counts[(layer, e)] = counts.get((layer, e), 0) + 1
     return counts
+
+
+def usage_path(model_dir: str | os.PathLike) -> Path:
+    """Where a model's history lives: ``.coli_usage`` beside the model when that directory is
+    writable (colibrì's place), else under the user data dir, keyed by the model's path."""
+    model_dir = Path(model_dir).resolve()
+    if os.access(model_dir, os.W_OK):
+        return model_dir / ".coli_usage"
+    import hashlib
+
+    import platformdirs
+    key = hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
+    d = Path(platformdirs.user_data_dir("colibri")) / "usage"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{model_dir.name}-{key}.coli_usage"

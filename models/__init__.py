@@ -17,11 +17,8 @@ DEFAULT_POLICY = "lru"
 
 def load_model_usage(container: Container, spec) -> dict:
     """The model's routing history (``.coli_usage``), {} when there is none yet."""
-    try:
-        from core.usage import load_usage
-    except ImportError:
-        return {}
-    return load_usage(container.path / ".coli_usage", spec.num_layers, spec.num_experts)
+    from core.usage import load_usage, usage_path
+    return load_usage(usage_path(container.path), spec.num_layers, spec.num_experts)
 
 
 # The embedded demo model (issue 3), shipped as package data.
@@ -58,8 +55,9 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
                                                    _read_json(container.path / "generation_config.json"))
         plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap)
         layers = sorted({l for l, _ in container.experts})
+        history = load_model_usage(container, spec)
         try:
-            pol = make_policy(policy, usage=load_model_usage(container, spec), layers=layers, cap=plan.cap)
+            pol = make_policy(policy, usage=history, layers=layers, cap=plan.cap)
         except ValueError as e:
             raise ColiError(str(e)) from None
         store = TieredStore(container, cap=plan.cap, policy=pol, o_direct=o_direct,
@@ -70,6 +68,9 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
             tokenizer = ChatTokenizer.from_dir(container.path)
         engine = Engine(container, spec, store=store, tokenizer=tokenizer, threads=threads)
         engine.plan = plan
+        engine.usage_history = dict(history)
+        from core.usage import usage_path
+        engine.usage_file = usage_path(container.path)
         return engine
     except BaseException:
         container.close()
