@@ -126,7 +126,20 @@ class Engine:
         self.usage: dict[tuple[int, int], int] = {}        # routing counts since the last save
         self.usage_history: dict[tuple[int, int], float] = {}
         self.usage_file = None       # where save_usage() writes the merged history (.coli_usage)
+        self.routed: dict[int, list[int]] = {}     # layer -> experts of the latest step (live view)
         self.reset_counters()
+
+    def placement(self) -> dict[int, dict[int, str]]:
+        """layer -> {expert: tier} for every expert not on disk only (the live Brain map)."""
+        resident = getattr(self.store, "resident", None)
+        return resident() if resident is not None else {}
+
+    def heat(self) -> dict[tuple[int, int], float]:
+        """Routing counts, persisted history plus this run, for (layer, expert)."""
+        out = dict(self.usage_history)
+        for k, v in self.usage.items():
+            out[k] = out.get(k, 0) + v
+        return out
 
     def save_usage(self) -> None:
         """Merge this run's routing counts into the persisted history (read by the pinned policy
@@ -203,6 +216,7 @@ class Engine:
     def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         top, weights = self.route(L, h)
         used = np.unique(top)
+        self.routed[i] = used.tolist()
         predicted = self._predicted.pop(i, None)
         if predicted is not None:
             self.counters["predicted"] += len(used)
@@ -298,7 +312,8 @@ class Engine:
             extra.update(attention_s=c["attention_s"], lm_head_s=c["lm_head_s"],
                          experts_s=max(0.0, c["experts_s"] - st.get("disk_wait_s", 0.0)),
                          prefetch_recall=(c["predicted_hit"] / c["predicted"]) if c["predicted"] else None,
-                         final=final, kernels=kernels.backend(), threads=kernels.get_threads())
+                         final=final, kernels=kernels.backend(), threads=kernels.get_threads(),
+                         routed={l: list(es) for l, es in self.routed.items()})
             if final:
                 extra.update(ids=list(new), text=text, reason=reason)
             return Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,

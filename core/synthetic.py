@@ -182,24 +182,36 @@ def _int8_codes(rng: np.random.Generator, nbytes: int, sc: _Scratch) -> np.ndarr
     return x.view(np.uint8)[:nbytes]
 
 
-def _target_std(name: str, shape: tuple[int, ...]) -> float:
+_RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")   # projections that write the residual
+
+
+def _target_std(name: str, shape: tuple[int, ...], num_layers: int) -> float:
+    """Weight std: 1/sqrt(fan_in) keeps activations at unit scale; the projections into the
+    residual stream get GPT-2's extra 1/sqrt(2·layers), so the stream stays dominated by the
+    token (not by the sum of random layer outputs): otherwise a deep random model forgets its
+    input and greedy decoding falls into one or two repeated tokens."""
     if "embed_tokens" in name:
         return EMBED_STD
-    return 1.0 / np.sqrt(shape[1])        # fan_in: activations keep a unit scale
+    std = 1.0 / np.sqrt(shape[1])
+    if name.endswith(_RESIDUAL_OUT):
+        std /= np.sqrt(2 * max(1, num_layers))
+    return std
 
 
-def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc: _Scratch) -> None:
+def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc: _Scratch,
+                  num_layers: int) -> None:
     name, shape, scheme = o.source.name, o.source.shape, o.scheme
     crng, srng = _rngs(seed, name)
     if scheme in ("int4", "int8"):
         rows, cols = shape
-        std = _target_std(name, shape)
+        std = _target_std(name, shape, num_layers)
         if scheme == "int4":
             (_, row_bytes), (_, groups) = quant.int4_shapes(rows, cols, group_size)
-            codes, base, sshape = _int4_codes, std / _INT4_CODE_RMS, (rows, groups)
+            codes, base, jitter = _int4_codes, std / _INT4_CODE_RMS, 0.25
         else:
             row_bytes, groups = cols, 1
-            codes, base, sshape = _int8_codes, std / _INT8_CODE_RMS, (rows,)
+            # little spread of row norms: big ones would win every argmax of the lm_head
+            codes, base, jitter = _int8_codes, std / _INT8_CODE_RMS, 0.02
         total = rows * row_bytes
         for off in range(0, total, CHUNK_BYTES):
             n = min(CHUNK_BYTES, total - off)
@@ -212,7 +224,7 @@ def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc:
         for r0 in range(0, rows, srows):
             r1 = min(rows, r0 + srows)
             u = srng.random((r1 - r0) * groups, dtype=np.float32)
-            s = (np.float32(base) * (np.float32(0.75) + np.float32(0.5) * u)).astype(np.float32)
+            s = (np.float32(base) * (np.float32(1 - jitter) + np.float32(2 * jitter) * u)).astype(np.float32)
             w.write(name + ".qs", s, r0 * groups * 4)
         return
     # F32 (norms, router, biases): small, written whole
@@ -276,6 +288,7 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
         _space_check(out, sum(sz for n, sz in sizes.items() if not finished(n)))
         done = 0
         scratch = _Scratch()
+        num_layers = len(shards) - 1
         quantized: dict[str, dict] = {}
         try:
             (out / "config.json").write_text(config_text)
@@ -290,7 +303,7 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
                                           metadata={"format": FORMAT})
                     try:
                         for o in outs:
-                            _write_tensor(w, o, group_size, seed, scratch)
+                            _write_tensor(w, o, group_size, seed, scratch, num_layers)
                             done += SafetensorsWriter.planned_size(o.entries(group_size))
                             if progress:
                                 progress(Progress(done, total, name, i, len(shards), o.source.name))
