@@ -61,9 +61,11 @@ def cmd_replay(args) -> int:
     except ValueError as e:
         raise ColiError(str(e)) from None
 
+    from core.routing import summary
+    routing = summary(trace)
     if args.json:
         out = {"trace": str(args.trace), "layers": trace.layers, "experts": trace.experts,
-               "top_k": trace.top_k, "positions": trace.positions, **res}
+               "top_k": trace.top_k, "positions": trace.positions, **res, "routing": routing}
         print(json.dumps(out))
         return 0
 
@@ -85,4 +87,7 @@ def cmd_replay(args) -> int:
         print(fmt(row))
     print("  ".join("-" * w for w in widths))
     print(fmt(rows[-1]))
+    m = routing["mean"]
+    print(f"routing: hottest 10% of experts take {m['top10_share']:.1%} of the traffic, max/mean load "
+          f"{m['max_over_mean']:.2f}, consecutive tokens share {m['overlap']:.1%} of their experts")
     return 0
