@@ -15,10 +15,14 @@ It is meant for benchmarks and tests at real geometry without downloading a mode
 * **Fast:** quantized bytes come straight from the bit generator (``random_raw``) with a few
   word-wide bit operations (≈ 0.5–0.8 GB/s on one core), not through float32 weights.
 * **Realistic enough to run:** int4 codes are symmetric in −7..7 (what the quantizer produces:
-  code −8 never occurs) and scales make each weight's std ≈ 1/sqrt(fan_in), so activations keep
-  a unit scale through the layers; int8 codes are symmetric in −127..127; router weights are
-  normal(0, 1)·``ROUTER_GAIN``/sqrt(hidden), so router logits have std ≈ ``ROUTER_GAIN`` and the
-  top-k varies from token to token; norms are ones and biases zeros.
+  code −8 never occurs) with per-group scales (±25 %) giving each weight a std ≈ 1/sqrt(fan_in),
+  so activations keep a unit scale through the layers; the projections into the residual stream
+  (o_proj, down_proj) are further scaled by 1/sqrt(2·layers) (GPT-2's init) so the stream keeps
+  the token's identity and greedy decoding does not collapse into one repeated token; int8 codes
+  (embeddings std 1, lm_head 1/sqrt(hidden), row scales ±2 %) are symmetric in −127..127; router
+  weights are normal(0, 1)·``ROUTER_GAIN``/sqrt(hidden), so router logits have std ≈
+  ``ROUTER_GAIN`` and the top-k varies from token to token; norms are ones and biases zeros.
+  Routing is therefore close to uniform, not a trained model's skewed, sticky routing.
 * **Deterministic:** each tensor's bytes depend only on (seed, tensor name, shape), never on
   chunking or on the other tensors. Shards are written to a temp file and renamed; a journal lets
   an interrupted run resume; ``colibri.json`` is written last.
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -40,14 +43,14 @@ from .container import FORMAT, FORMAT_VERSION, MANIFEST
 from .converter import (CONVERTER_VERSION, Progress, _class_summary, _Lock, _Out, _plan, _Source,
                         _space_check)
 from .errors import ColiError
+from .safetensors_io import SafetensorsWriter
 
 try:
     from .fileio import atomic_write_text as _atomic_write_text
 except ImportError:                      # older tree: the helper lived in the converter
     from .converter import _atomic_write_text
-from .safetensors_io import SafetensorsWriter
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 JOURNAL = ".coli_synthetic.json"
 CHUNK_BYTES = 128 << 10          # generated and written at a time (cache-sized: fastest here)
 ROUTER_GAIN = 2.0                # std of the router logits for a unit-RMS hidden state
@@ -288,7 +291,7 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
         _space_check(out, sum(sz for n, sz in sizes.items() if not finished(n)))
         done = 0
         scratch = _Scratch()
-        num_layers = len(shards) - 1
+        num_layers = _reader(config)[1].num_layers
         quantized: dict[str, dict] = {}
         try:
             (out / "config.json").write_text(config_text)
