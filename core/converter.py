@@ -25,7 +25,7 @@ from . import quant
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, tensor_place
 from .errors import ColiError
 from .fileio import atomic_write_text
-from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
+from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
 PEAK_BOUND_BLOCKS = 8        # peak extra memory stays under this many blocks (tested)
@@ -171,46 +171,34 @@ def _plan(sources: dict[str, _Source], bits: int) -> list[tuple[str, list[_Out]]
     return plan
 
 
-def _write_shard(path: Path, outs: list[_Out], group_size: int, files_by_name, report) -> dict:
-    entries = [e for o in outs for e in o.entries(group_size)]
-    w = SafetensorsWriter(path, entries, metadata={"format": FORMAT})
-    quantized = {}
-    try:
-        for o in outs:
-            s = o.source
-            rows = s.shape[0] if len(s.shape) >= 2 else 1
-            cols = int(np.prod(s.shape, dtype=np.int64)) // max(1, rows)
-            step = max(1, BLOCK_BYTES // max(1, cols * 4))
-            if s.scale_inv is not None:
-                step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                if o.scheme == "keep" and s.scale_inv is None and not s.dtype.startswith("F8_"):
-                    block = s.file.raw(s.name, r0, r1) if len(s.shape) >= 2 else s.file.raw(s.name)
-                    w.write(s.name, block, r0 * block.nbytes // max(1, r1 - r0))
-                elif len(s.shape) < 2:
-                    w.write(s.name, s.file.float32(s.name))
-                else:
-                    x = _read_rows(s, files_by_name, r0, r1).reshape(r1 - r0, cols)
-                    if o.scheme == "int4":
-                        packed, scales = quant.quantize_int4(x, group_size)
-                        w.write(s.name, packed, r0 * packed.shape[1])
-                        w.write(s.name + ".qs", scales, r0 * scales.shape[1] * 4)
-                    elif o.scheme == "int8":
-                        q, scales = quant.quantize_int8(x)
-                        w.write(s.name, q, r0 * cols)
-                        w.write(s.name + ".qs", scales, r0 * 4)
-                    else:
-                        w.write(s.name, x, r0 * cols * 4)
-                report(s.name, s.nbytes * (r1 - r0) // rows)
-            if o.scheme in ("int4", "int8"):
-                quantized[s.name] = {"scheme": o.scheme, "shape": list(s.shape),
-                                     **({"group_size": group_size} if o.scheme == "int4" else {})}
-        w.commit()
-    except BaseException:
-        w.abort()
-        raise
-    return quantized
+def _convert_tensor(w: SafetensorsWriter, o: _Out, group_size: int, files_by_name, report) -> None:
+    """Convert one source tensor into ``w``, a row block at a time (``report`` gets source bytes)."""
+    s = o.source
+    rows = s.shape[0] if len(s.shape) >= 2 else 1
+    cols = int(np.prod(s.shape, dtype=np.int64)) // max(1, rows)
+    step = max(1, BLOCK_BYTES // max(1, cols * 4))
+    if s.scale_inv is not None:
+        step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        if o.scheme == "keep" and s.scale_inv is None and not s.dtype.startswith("F8_"):
+            block = s.file.raw(s.name, r0, r1) if len(s.shape) >= 2 else s.file.raw(s.name)
+            w.write(s.name, block, r0 * block.nbytes // max(1, r1 - r0))
+        elif len(s.shape) < 2:
+            w.write(s.name, s.file.float32(s.name))
+        else:
+            x = _read_rows(s, files_by_name, r0, r1).reshape(r1 - r0, cols)
+            if o.scheme == "int4":
+                packed, scales = quant.quantize_int4(x, group_size)
+                w.write(s.name, packed, r0 * packed.shape[1])
+                w.write(s.name + ".qs", scales, r0 * scales.shape[1] * 4)
+            elif o.scheme == "int8":
+                q, scales = quant.quantize_int8(x)
+                w.write(s.name, q, r0 * cols)
+                w.write(s.name + ".qs", scales, r0 * 4)
+            else:
+                w.write(s.name, x, r0 * cols * 4)
+        report(s.nbytes * (r1 - r0) // rows)
 
 
 class _Lock:
@@ -269,72 +257,103 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}
 
+    def copy_side_files(out: Path) -> None:
+        for fname in COPIED_FILES:
+            if (src / fname).exists():
+                tmp = out / (fname + ".tmp")
+                shutil.copyfile(src / fname, tmp)
+                os.replace(tmp, out / fname)
+
+    try:
+        return write_container(
+            out, params, plan, bits, group_size, config.get("model_type"),
+            write_tensor=lambda w, o, report: _convert_tensor(w, o, group_size, files_by_name, report),
+            cost=lambda o: o.source.nbytes, finalize=copy_side_files, progress=progress)
+    finally:
+        for f in files:
+            f.close()
+
+
+def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]], bits: int,
+                    group_size: int, model_type: str | None, write_tensor, cost, finalize,
+                    progress: Callable[[Progress], None] | None = None,
+                    manifest_extra: dict | None = None) -> Path:
+    """Write the shards of ``plan`` into ``out`` resumably, under the lock, manifest last.
+
+    ``write_tensor(writer, out_tensor, report)`` fills one tensor (calling ``report(n)`` as it
+    goes, in units of ``cost``); ``finalize(out)`` writes the side files just before the manifest.
+    Used by the converter and by ``core.synthetic``, so their containers cannot differ in layout.
+    """
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with _Lock(out):
         manifest_path, journal_path = out / MANIFEST, out / JOURNAL
         if manifest_path.exists():
-            done_params = json.loads(manifest_path.read_text()).get("converter", {}).get("params")
+            try:
+                done_params = json.loads(manifest_path.read_text()).get("converter", {}).get("params")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                done_params = None
             if done_params == params:
                 return out
-            raise ColiError(f"{out} already holds a container converted with other parameters; "
+            raise ColiError(f"{out} already holds a container made with other parameters; "
                             f"choose another directory or delete it")
         journal = {"params": params, "done": {}}
         if journal_path.exists():
             try:
-                journal = json.loads(journal_path.read_text())
+                old = json.loads(journal_path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
-                journal = {"params": params, "done": {}}
-            if journal.get("params") != params:
-                old = journal.get("params", {})
-                diff = [k for k in params if old.get(k) != params[k]]
-                raise ColiError(f"{out} holds an unfinished conversion with different parameters "
-                                f"({', '.join(diff)}); rerun with the same ones or use another directory")
-
-        shard_sizes = {name: SafetensorsWriter.planned_size([e for o in outs for e in o.entries(group_size)])
-                       for name, outs in plan}
-        total = sum(s.nbytes for s in sources.values())
-        done_bytes = 0
+                old = None
+            if isinstance(old, dict):
+                if old.get("params") != params:
+                    prev = old.get("params") or {}
+                    diff = [k for k in params if prev.get(k) != params[k]]
+                    raise ColiError(f"{out} holds an unfinished conversion with different parameters "
+                                    f"({', '.join(diff)}); rerun with the same ones or use another "
+                                    f"directory")
+                journal = old
+        sizes = {name: SafetensorsWriter.planned_size([e for o in outs for e in o.entries(group_size)])
+                 for name, outs in plan}
 
         def finished(name: str) -> bool:
             p = out / name
-            return name in journal["done"] and p.exists() and p.stat().st_size >= shard_sizes[name]
+            return name in journal["done"] and p.exists() and p.stat().st_size >= sizes[name]
 
-        _space_check(out, sum(sz for n, sz in shard_sizes.items() if not finished(n)))
-        quantized: dict[str, dict] = {}
+        _space_check(out, sum(sz for n, sz in sizes.items() if not finished(n)))
+        total = sum(cost(o) for _, outs in plan for o in outs)
+        done = 0
         try:
             for i, (name, outs) in enumerate(plan):
-                shard_src = sum(o.source.nbytes for o in outs)
-                if finished(name):
-                    quantized.update(journal["done"][name])
-                    done_bytes += shard_src
-                    if progress:
-                        progress(Progress(done_bytes, total, name, i, len(plan)))
-                    continue
-                base = done_bytes
-
-                def report(tensor: str, nbytes: int, _name=name, _i=i) -> None:
-                    nonlocal done_bytes
-                    done_bytes += nbytes
-                    if progress:
-                        progress(Progress(done_bytes, total, _name, _i, len(plan), tensor))
-
-                q = _write_shard(out / name, outs, group_size, files_by_name, report)
-                done_bytes = base + shard_src
-                quantized.update(q)
-                journal["done"][name] = q
-                atomic_write_text(journal_path, json.dumps(journal))
-            for fname in COPIED_FILES:
-                if (src / fname).exists():
-                    tmp = out / (fname + ".tmp")
-                    shutil.copyfile(src / fname, tmp)
-                    os.replace(tmp, out / fname)
+                if not finished(name):
+                    w = SafetensorsWriter(out / name, [e for o in outs for e in o.entries(group_size)],
+                                          metadata={"format": FORMAT})
+                    try:
+                        for o in outs:
+                            def report(n: int, _o=o, _name=name, _i=i) -> None:
+                                nonlocal done
+                                done += n
+                                if progress:
+                                    progress(Progress(done, total, _name, _i, len(plan), _o.source.name))
+                            write_tensor(w, o, report)
+                        w.commit()
+                    except BaseException:
+                        w.abort()
+                        raise
+                    journal["done"][name] = True
+                    atomic_write_text(journal_path, json.dumps(journal))
+                done = sum(cost(o) for _, outs in plan[: i + 1] for o in outs)
+                if progress:
+                    progress(Progress(done, total, name, i, len(plan)))
+            finalize(out)
+            quantized = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
+                                         **({"group_size": group_size} if o.scheme == "int4" else {})}
+                         for _, outs in plan for o in outs if o.scheme in ("int4", "int8")}
             manifest = {
-                "format": FORMAT, "format_version": FORMAT_VERSION,
-                "model_type": config.get("model_type"),
+                "format": FORMAT, "format_version": FORMAT_VERSION, "model_type": model_type,
                 "converter": {"params": params, "bits": bits, "group_size": group_size},
                 "classes": _class_summary(bits, group_size),
                 "shards": [name for name, _ in plan],
                 "tensors": dict(sorted(quantized.items())),
+                **(manifest_extra or {}),
             }
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
             journal_path.unlink(missing_ok=True)
@@ -343,9 +362,6 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
                 raise ColiError(f"no space left on the device holding {out}; free some space and "
                                 f"rerun the same command to resume") from None
             raise
-        finally:
-            for f in files:
-                f.close()
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np

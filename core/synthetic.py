@@ -29,7 +29,6 @@ It is meant for benchmarks and tests at real geometry without downloading a mode
 """
 from __future__ import annotations
 
-import errno
 import json
 import zlib
 from pathlib import Path
@@ -38,20 +37,12 @@ from typing import Callable
 import numpy as np
 
 from . import quant
-from .container import FORMAT, FORMAT_VERSION, MANIFEST
-# the converter's own planner and helpers, so that the layout cannot drift from `coli convert`
-from .converter import (CONVERTER_VERSION, Progress, _class_summary, _Lock, _Out, _plan, _Source,
-                        _space_check)
+# the converter's own planner and writer, so that the layout cannot drift from `coli convert`
+from .converter import CONVERTER_VERSION, Progress, _Out, _plan, _Source, write_container
 from .errors import ColiError
 from .safetensors_io import SafetensorsWriter
 
-try:
-    from .fileio import atomic_write_text as _atomic_write_text
-except ImportError:                      # older tree: the helper lived in the converter
-    from .converter import _atomic_write_text
-
 GENERATOR_VERSION = 2
-JOURNAL = ".coli_synthetic.json"
 CHUNK_BYTES = 128 << 10          # generated and written at a time (cache-sized: fastest here)
 ROUTER_GAIN = 2.0                # std of the router logits for a unit-RMS hidden state
 EMBED_STD = 1.0
@@ -260,85 +251,25 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": "synthetic", "seed": int(seed), "generator_version": GENERATOR_VERSION,
               "config_crc32": zlib.crc32(config_text.encode())}
-    out.mkdir(parents=True, exist_ok=True)
-    with _Lock(out):
-        manifest_path, journal_path = out / MANIFEST, out / JOURNAL
-        if manifest_path.exists():
-            try:
-                done_params = json.loads(manifest_path.read_text()).get("converter", {}).get("params")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                done_params = None
-            if done_params == params:
-                return out
-            raise ColiError(f"{out} already holds a container made with other parameters; "
-                            f"choose another directory or delete it")
-        journal = {"params": params, "done": {}}
-        if journal_path.exists():
-            try:
-                old = json.loads(journal_path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                old = None
-            if isinstance(old, dict) and old.get("params") == params:
-                journal = old
-        sizes = {name: SafetensorsWriter.planned_size([e for o in outs for e in o.entries(group_size)])
-                 for name, outs in shards}
-        total = sum(sizes.values())
+    scratch = _Scratch()
+    num_layers = _reader(config)[1].num_layers
 
-        def finished(name: str) -> bool:
-            p = out / name
-            return name in journal["done"] and p.exists() and p.stat().st_size >= sizes[name]
+    def side_files(out: Path) -> None:
+        (out / "config.json").write_text(config_text)
+        gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
 
-        _space_check(out, sum(sz for n, sz in sizes.items() if not finished(n)))
-        done = 0
-        scratch = _Scratch()
-        num_layers = _reader(config)[1].num_layers
-        quantized: dict[str, dict] = {}
-        try:
-            (out / "config.json").write_text(config_text)
-            gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-            (out / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
-            for i, (name, outs) in enumerate(shards):
-                q = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
-                                     **({"group_size": group_size} if o.scheme == "int4" else {})}
-                     for o in outs if o.scheme in ("int4", "int8")}
-                if not finished(name):
-                    w = SafetensorsWriter(out / name, [e for o in outs for e in o.entries(group_size)],
-                                          metadata={"format": FORMAT})
-                    try:
-                        for o in outs:
-                            _write_tensor(w, o, group_size, seed, scratch, num_layers)
-                            done += SafetensorsWriter.planned_size(o.entries(group_size))
-                            if progress:
-                                progress(Progress(done, total, name, i, len(shards), o.source.name))
-                        w.commit()
-                    except BaseException:
-                        w.abort()
-                        raise
-                    journal["done"][name] = True
-                    _atomic_write_text(journal_path, json.dumps(journal))
-                done = sum(sizes[n] for n, _ in shards[: i + 1])
-                if progress:
-                    progress(Progress(done, total, name, i, len(shards)))
-                quantized.update(q)
-            manifest = {
-                "format": FORMAT, "format_version": FORMAT_VERSION,
-                "model_type": config.get("model_type"),
-                "converter": {"params": params, "bits": bits, "group_size": group_size},
-                "classes": _class_summary(bits, group_size),
-                "shards": [name for name, _ in shards],
-                "tensors": dict(sorted(quantized.items())),
-                "synthetic": {"seed": int(seed), "generator_version": GENERATOR_VERSION,
-                              "router_gain": ROUTER_GAIN,
-                              "note": "random weights: for benchmarks and tests, not a language model"},
-            }
-            _atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
-            journal_path.unlink(missing_ok=True)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise ColiError(f"no space left on the device holding {out}; free some space and "
-                                f"rerun the same command to resume") from None
-            raise
-    return out
+    def write_tensor(w, o, report) -> None:
+        _write_tensor(w, o, group_size, seed, scratch, num_layers)
+        report(SafetensorsWriter.planned_size(o.entries(group_size)))
+
+    return write_container(
+        out, params, shards, bits, group_size, config.get("model_type"), write_tensor=write_tensor,
+        cost=lambda o: SafetensorsWriter.planned_size(o.entries(group_size)), finalize=side_files,
+        progress=progress,
+        manifest_extra={"synthetic": {"seed": int(seed), "generator_version": GENERATOR_VERSION,
+                                      "router_gain": ROUTER_GAIN,
+                                      "note": "random weights: for benchmarks and tests, not a language model"}})
 
 
 __all__ = ["write_random_container", "tensor_shapes", "plan", "container_bytes"]

@@ -28,7 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-from core.errors import ColiError
 from core.fileio import atomic_write_text
 
 FORMAT_VERSION = 1

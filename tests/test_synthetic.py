@@ -109,8 +109,9 @@ def test_resume_after_interruption_gives_the_same_bytes(tmp_path):
         (b / name).unlink()
     (b / "layer-001.safetensors.tmp").write_bytes(b"partial")
     params = json.loads((a / "colibri.json").read_text())["converter"]["params"]
-    (b / ".coli_synthetic.json").write_text(json.dumps({"params": params,
-                                                        "done": {"layer-000.safetensors": True}}))
+    from core.converter import JOURNAL
+    (b / JOURNAL).write_text(json.dumps({"params": params,
+                                         "done": {"layer-000.safetensors": True}}))
     mtime = (b / "layer-000.safetensors").stat().st_mtime_ns
     write_random_container(b, cfg, seed=1)
     assert (b / "layer-000.safetensors").stat().st_mtime_ns == mtime       # not rewritten
