@@ -108,11 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cap", type=int, default=None)
     p.add_argument("--json", action="store_true")
 
-    try:
-        from .cli_replay import add_parser as add_replay
-        add_replay(sub)
-    except ImportError:
-        pass
+    from .cli_replay import add_parser as add_replay
+    add_replay(sub)
+    from .app_cli import add_parsers as add_chat
+    add_chat(sub)
     return ap
 
 
@@ -132,8 +131,7 @@ def cmd_convert(args) -> int:
     from core.converter import convert
     from models import validate_config
 
-    progress = None
-    bar = None
+    progress = bar = None
     if sys.stderr.isatty():
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
         bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
@@ -141,9 +139,8 @@ def cmd_convert(args) -> int:
         task = bar.add_task("converting", total=None)
         bar.start()
 
-        def progress(p):
-            bar.update(task, completed=p.done_bytes, total=p.total_bytes,
-                       description=f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")
+        progress = lambda p: bar.update(task, completed=p.done_bytes, total=p.total_bytes,  # noqa: E731
+                                        description=f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")
     try:
         out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size,
                       validate_config=validate_config, progress=progress)
@@ -265,21 +262,28 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_chat(args) -> int:
+    from .app_cli import run_app
+    return run_app(args)
+
+
 def _cmd_replay(args) -> int:
     from .cli_replay import cmd_replay
     return cmd_replay(args)
 
 
 COMMANDS = {"convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
-            "plan": cmd_plan, "replay": _cmd_replay}
+            "plan": cmd_plan, "replay": _cmd_replay, "chat": _cmd_chat}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 0
+    if args.command is None:          # plain `coli`: the app in a terminal, help otherwise
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            parser.print_help(sys.stderr)
+            return 0
+        args.command = "chat"
     try:
         if getattr(args, "threads", None) is not None and args.threads < 1:
             raise ColiError("--threads must be >= 1")

@@ -1,0 +1,587 @@
+"""`coli chat`: the full-screen app. A chat list, the conversation (streaming Markdown), the prompt,
+and the live tier panel with the Brain map. The engine runs in a thread worker; its events reach
+the UI in batches (``runner.run_generation``)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Label, ListItem, ListView, Static
+
+from . import settings as settings_mod
+from .chatview import AssistantMessage, MessageList, PromptInput, UserMessage
+from .history import History, export_path, title_from
+from .screens import ChatSettingsScreen, ConfirmScreen, MessageScreen, SettingsScreen, TextPrompt
+from .settings import Settings
+from .tierpanel import TierPanel, human_bytes
+
+NO_MODEL = ("No model is configured and this install has no demo model.\n\n"
+            "Convert a Hugging Face MoE checkpoint and point colibrì at it:\n\n"
+            "    coli convert /path/to/hf-model ./my-model\n"
+            "    coli chat --model ./my-model\n\n"
+            "or set COLI_MODEL, or `model = \"...\"` in {config}.\n"
+            "(The guided setup wizard is not part of this version.)\n\n"
+            "Esc closes this message: your chats stay readable.")
+
+
+@dataclass
+class Generation:
+    chat_id: int
+    prompt: str
+    user_message_id: int
+    widget: AssistantMessage | None
+    text: str = ""
+    tokens: int = 0
+    cancel: bool = False
+    started: float = field(default_factory=time.monotonic)
+    applied: threading.Event = field(default_factory=threading.Event)   # set: the UI took the last batch
+
+    def __post_init__(self):
+        self.applied.set()
+
+
+class BatchReady(Message):
+    """A batch of engine events from the generation worker (see ``runner.run_generation``)."""
+
+    def __init__(self, gen: Generation, batch: dict):
+        super().__init__()
+        self.gen, self.batch = gen, batch
+
+
+class ChatItem(ListItem):
+    def __init__(self, chat_id: int, title: str):
+        super().__init__(Label(Text(title), classes="chat-title"))
+        self.chat_id, self.title = chat_id, title
+
+
+def fmt_meta(stats: dict | None, reason: str | None) -> str:
+    if not stats:
+        return f"stopped: {reason}" if reason else ""
+    parts = [f"{stats.get('new_tokens', 0)} tokens", f"{stats.get('decode_tok_s', 0):.1f} tok/s",
+             f"first token {stats.get('ttft_s', 0):.2f} s", f"hit rate {stats.get('hit_rate', 1):.0%}",
+             f"read {human_bytes(stats.get('bytes_read', 0))}"]
+    if reason and reason != "eos":
+        parts.append("stopped" if reason == "cancelled" else f"stop: {reason}")
+    return " · ".join(parts)
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "app.stop_reply", "Stop", show=True),
+        Binding("ctrl+n", "app.new_chat", "New chat", priority=True),
+        Binding("f2", "app.toggle_panel", "Tier panel", priority=True),
+        Binding("ctrl+t", "app.toggle_panel", "Tier panel", show=False),
+        Binding("f3", "app.toggle_chats", "Chats", priority=True),
+        Binding("f4", "app.chat_settings", "Chat settings", priority=True),
+        Binding("f5", "app.settings", "Settings", priority=True),
+        Binding("f6", "app.rename_chat", "Rename", priority=True),
+        Binding("f7", "app.export_chat", "Export", priority=True),
+        Binding("f8", "app.delete_chat", "Delete", priority=True),
+    ]
+    DEFAULT_CSS = """
+    #chats { width: 30; border-right: tall $primary 40%; }
+    #chats.-hidden { display: none; }
+    #chats ListView { height: 1fr; }
+    #chats .heading { text-style: bold; color: $accent; padding: 0 1; }
+    #main { width: 1fr; }
+    #status { height: 1; padding: 0 1; color: $text-muted; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            with Vertical(id="chats"):
+                yield Label("Chats", classes="heading")
+                yield ListView(id="chat-list")
+            with Vertical(id="main"):
+                yield MessageList(id="messages")
+                yield Static("", id="status")
+                yield PromptInput(id="prompt")
+            yield TierPanel(id="tiers")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.query_one(PromptInput).focus()
+        await self.app.start_up()
+
+
+class ColiApp(App):
+    TITLE = "colibrì"
+    COMMANDS = App.COMMANDS
+
+    def __init__(self, model_path: str | os.PathLike | None = None, settings: Settings | None = None,
+                 history_path: str | os.PathLike | None = None, engine_options: dict | None = None,
+                 engine=None, **kw):
+        super().__init__(**kw)
+        self.settings = settings if settings is not None else settings_mod.load()
+        self.model_path = str(model_path) if model_path else None
+        self.engine_options = dict(engine_options or {})     # command-line flags beat the config
+        self.history = History(history_path)
+        self.engine = engine
+        self.engine_error: str | None = None
+        self.model_name = ""
+        self.slot_bytes: int | None = None
+        self.chat_id: int | None = None
+        self.gen: Generation | None = None
+        self.loading = engine is None
+
+    # --- layout helpers ------------------------------------------------------------------------
+    def get_default_screen(self) -> Screen:
+        return ChatScreen()
+
+    @property
+    def messages_view(self) -> MessageList:
+        return self.screen_stack[0].query_one(MessageList) if self.screen_stack else self.query_one(MessageList)
+
+    def _q(self, selector, kind=None):
+        base = self.screen_stack[0] if self.screen_stack else self.screen
+        return base.query_one(selector, kind) if kind else base.query_one(selector)
+
+    @property
+    def prompt_input(self) -> PromptInput:
+        return self._q("#prompt", PromptInput)
+
+    @property
+    def tier_panel(self) -> TierPanel:
+        return self._q("#tiers", TierPanel)
+
+    def set_status(self, text: str) -> None:
+        from textual.css.query import NoMatches
+        try:
+            self._q("#status", Static).update(Text(text))
+        except NoMatches:          # closing
+            pass
+
+    # --- start-up ------------------------------------------------------------------------------
+    async def start_up(self) -> None:
+        """Called once the chat screen is composed."""
+        if self.settings.theme and self.settings.theme in self.available_themes:
+            self.theme = self.settings.theme
+        self._theme_ready = True
+        chats = self.history.chats()
+        chat = chats[0] if chats else self.history.new_chat(sampling=self.settings.sampling)
+        self.refresh_chat_list()
+        await self.show_chat(chat.id)
+        if self.engine is not None:
+            self._engine_ready()
+        else:
+            self.resolve_and_load()
+
+    def resolved_model(self) -> str | None:
+        if self.model_path:
+            return self.model_path
+        if self.settings.model:
+            return self.settings.model
+        try:
+            from models import default_model
+            demo = default_model()
+        except Exception:
+            demo = None
+        return str(demo) if demo else None
+
+    def resolve_and_load(self) -> None:
+        path = self.resolved_model()
+        if path is None:
+            self.loading = False
+            self.engine_error = "no model configured"
+            self.set_status("no model configured · F5 settings")
+            self.push_screen(MessageScreen("No model yet", NO_MODEL.format(config=settings_mod.config_path())))
+            return
+        self.loading = True
+        self.set_status(f"loading {Path(path).name} …")
+        self.load_engine(path)
+
+    def _open_options(self) -> dict:
+        s = self.settings
+        opts = dict(threads=s.threads, ram_gb=s.ram_gb, cap=None, policy=s.policy, prefetch=s.prefetch,
+                    o_direct=s.o_direct)
+        opts.update({k: v for k, v in self.engine_options.items() if v is not None})
+        if opts.get("cap") is not None and "ram_gb" not in self.engine_options:
+            opts["ram_gb"] = None            # --cap on the command line beats a configured budget
+        return opts
+
+    @work(thread=True, exclusive=True, group="engine")
+    def load_engine(self, path: str) -> None:
+        from core.errors import ColiError
+        try:
+            from models import open_model
+            engine = open_model(path, **self._open_options())
+        except ColiError as e:
+            self.call_from_thread(self._engine_failed, path, str(e))
+            return
+        except Exception as e:
+            self.call_from_thread(self._engine_failed, path, f"{e.__class__.__name__}: {e}")
+            return
+        self.call_from_thread(self._engine_loaded, engine)
+
+    def _engine_failed(self, path: str, error: str) -> None:
+        self.loading = False
+        self.engine_error = error
+        self.set_status(f"model not loaded: {error}")
+        self.push_screen(MessageScreen("The model could not be opened", f"{path}\n\n{error}\n\n"
+                                       "Fix it with F5 (settings) or `coli chat --model DIR`."))
+
+    def _engine_loaded(self, engine) -> None:
+        old, self.engine = self.engine, engine
+        if old is not None and old is not engine:
+            for closer in (getattr(old.store, "close", None), getattr(old.container, "close", None)):
+                try:
+                    if closer is not None:
+                        closer()
+                except Exception:
+                    pass
+        self._engine_ready()
+
+    def _engine_ready(self) -> None:
+        self.loading = False
+        self.engine_error = None
+        e = self.engine
+        path = getattr(getattr(e, "container", None), "path", None)
+        self.model_name = Path(path).name if path else "model"
+        self.slot_bytes = getattr(getattr(e, "store", None), "slot_bytes", None)
+        plan = getattr(e, "plan", None)
+        budget = getattr(plan, "ram_expert_bytes", None)
+        self.tier_panel.set_model(e.spec.num_layers, e.spec.num_experts, budget)
+        from .runner import snapshot
+        placement, heat = snapshot(e)
+        self.tier_panel.push(placement=placement, heat=heat, slot_bytes=self.slot_bytes)
+        self.sub_title = self.model_name
+        self.set_status(f"{self.model_name} · ready · Enter sends, Shift+Enter or Ctrl+J newline, Esc stops")
+
+    # --- chats ---------------------------------------------------------------------------------
+    def refresh_chat_list(self) -> None:
+        lv = self._q("#chat-list", ListView)
+        lv.clear()
+        items = [ChatItem(c.id, c.title) for c in self.history.chats()]
+        lv.extend(items)
+        self.call_after_refresh(self._select_current_chat)
+
+    def _select_current_chat(self) -> None:
+        lv = self._q("#chat-list", ListView)
+        items = [it for it in lv.children if isinstance(it, ChatItem)]
+        for i, it in enumerate(items):
+            if it.chat_id == self.chat_id and lv.index != i:
+                lv.index = i
+
+    async def show_chat(self, chat_id: int) -> None:
+        self.chat_id = chat_id
+        view = self.messages_view
+        await view.remove_children()
+        msgs = self.history.messages(chat_id)
+        widgets = []
+        for m in msgs:
+            if m.role == "user":
+                widgets.append(UserMessage(m.content))
+            elif m.role == "assistant":
+                widgets.append(AssistantMessage(m.content, meta=fmt_meta(m.stats.get("stats"),
+                                                                         m.stats.get("reason"))))
+        if self.gen is not None and self.gen.chat_id == chat_id:
+            # the reply streaming in this chat: a fresh widget picks up the text so far
+            self.gen.widget = AssistantMessage(self.gen.text, streaming=True)
+            widgets.append(self.gen.widget)
+        elif self.gen is not None:
+            self.gen.widget = None
+        if not widgets:
+            widgets.append(Static("Say something. Enter sends · Shift+Enter / Ctrl+J newline · "
+                                  "Esc stops · F2 tier panel · Ctrl+P commands", id="empty"))
+        await view.mount_all(widgets)
+        view.scroll_end(animate=False)
+        chat = self.history.get(chat_id)
+        if chat:
+            self.title = f"colibrì · {chat.title}"
+        self._select_current_chat()
+
+    @on(ListView.Selected, "#chat-list")
+    async def _chat_selected(self, event: ListView.Selected) -> None:
+        if isinstance(event.item, ChatItem) and event.item.chat_id != self.chat_id:
+            await self.show_chat(event.item.chat_id)
+            self.prompt_input.focus()
+
+    async def action_new_chat(self) -> None:
+        chat = self.history.new_chat(sampling=self.settings.sampling)
+        self.chat_id = chat.id
+        self.refresh_chat_list()
+        await self.show_chat(chat.id)
+        self.prompt_input.focus()
+
+    def action_rename_chat(self) -> None:
+        chat = self.history.get(self.chat_id)
+        if chat is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title is not None and title.strip():
+                self.history.rename(chat.id, title)
+                self.refresh_chat_list()
+                self.title = f"colibrì · {self.history.get(chat.id).title}"
+        self.push_screen(TextPrompt("Rename chat", chat.title), done)
+
+    def action_delete_chat(self) -> None:
+        chat = self.history.get(self.chat_id)
+        if chat is None:
+            return
+        if self.gen is not None and self.gen.chat_id == chat.id:
+            self.notify("a reply is streaming in this chat: Esc stops it first", severity="warning")
+            return
+
+        async def done(yes: bool) -> None:
+            if not yes:
+                return
+            self.history.delete(chat.id)
+            rest = self.history.chats()
+            nxt = rest[0] if rest else self.history.new_chat(sampling=self.settings.sampling)
+            self.chat_id = nxt.id
+            self.refresh_chat_list()
+            await self.show_chat(nxt.id)
+        self.push_screen(ConfirmScreen(f"Delete “{chat.title}”?"), done)
+
+    def action_export_chat(self) -> Path | None:
+        chat = self.history.get(self.chat_id)
+        if chat is None:
+            return None
+        path = export_path(chat)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(self.history.export_markdown(chat.id))
+            os.replace(tmp, path)
+        except OSError as e:
+            self.notify(f"export failed: {e}", severity="error")
+            return None
+        self.notify(f"exported to {path}")
+        return path
+
+    def action_chat_settings(self) -> None:
+        chat = self.history.get(self.chat_id)
+        if chat is None:
+            return
+
+        def done(result) -> None:
+            if result is not None:
+                system, sampling = result
+                self.history.update_chat(chat.id, system_prompt=system, sampling=sampling)
+                self.notify("chat settings saved")
+        self.push_screen(ChatSettingsScreen(chat.title, chat.system_prompt, chat.sampling), done)
+
+    def action_settings(self) -> None:
+        def done(new: Settings | None) -> None:
+            if new is None:
+                return
+            old = self.settings
+            try:
+                path = settings_mod.save(new)
+            except OSError as e:
+                self.notify(f"settings not saved: {e}", severity="error")
+                return
+            self.settings = new
+            if new.model != old.model:
+                self.model_path = None           # a model chosen here beats --model from the start
+            self.notify(f"settings saved to {path}")
+            keys = ("model", "ram_gb", "policy", "prefetch", "threads", "o_direct")
+            if any(getattr(old, k) != getattr(new, k) for k in keys) or self.engine is None:
+                if self.gen is not None:
+                    self.notify("the engine reopens after this reply", severity="warning")
+                    self._reopen_after = True
+                else:
+                    self.resolve_and_load()
+        self.push_screen(SettingsScreen(self.settings, str(settings_mod.config_path())), done)
+
+    def action_toggle_panel(self) -> None:
+        self.tier_panel.toggle_class("-hidden")
+
+    def action_toggle_chats(self) -> None:
+        self._q("#chats").toggle_class("-hidden")
+
+    def action_copy_reply(self) -> None:
+        msgs = [m for m in self.history.messages(self.chat_id)] if self.chat_id else []
+        last = next((m for m in reversed(msgs) if m.role == "assistant"), None)
+        if last is None:
+            self.notify("no reply to copy", severity="warning")
+            return
+        self.copy_to_clipboard(last.content)
+        self.notify("last reply copied")
+
+    def action_copy_code(self) -> None:
+        import re
+        msgs = self.history.messages(self.chat_id) if self.chat_id else []
+        for m in reversed(msgs):
+            blocks = re.findall(r"```[^\n]*\n(.*?)```", m.content, re.S)
+            if m.role == "assistant" and blocks:
+                self.copy_to_clipboard(blocks[-1])
+                self.notify("code block copied")
+                return
+        self.notify("no code block to copy", severity="warning")
+
+    def watch_theme(self, theme: str) -> None:
+        """The palette's theme switcher: remember the choice."""
+        if getattr(self, "_theme_ready", False) and theme != self.settings.theme:
+            self.settings.theme = theme
+            try:
+                settings_mod.save(self.settings)
+            except OSError:
+                pass
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
+        yield SystemCommand("Stop reply", "Stop the reply being generated (Esc)", self.action_stop_reply)
+        yield SystemCommand("Toggle tier panel", "Show or hide the tier panel and Brain map (F2)",
+                            self.action_toggle_panel)
+        yield SystemCommand("Toggle chat list", "Show or hide the list of chats (F3)", self.action_toggle_chats)
+        yield SystemCommand("Export chat to Markdown", "Write this chat as a .md file (F7)",
+                            self.action_export_chat)
+        yield SystemCommand("Rename chat", "Give this chat a new title (F6)", self.action_rename_chat)
+        yield SystemCommand("Delete chat", "Delete this chat (F8)", self.action_delete_chat)
+        yield SystemCommand("Chat settings", "System prompt and sampling for this chat (F4)",
+                            self.action_chat_settings)
+        yield SystemCommand("Settings", "RAM budget, cache policy, prefetch, threads, O_DIRECT, sampling (F5)",
+                            self.action_settings)
+        yield SystemCommand("Copy last reply", "Copy the last assistant message to the clipboard",
+                            self.action_copy_reply)
+        yield SystemCommand("Copy last code block", "Copy the last code block of a reply to the clipboard",
+                            self.action_copy_code)
+
+    # --- sending and streaming -----------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    async def _submitted(self, event: PromptInput.Submitted) -> None:
+        await self.send(event.text)
+
+    async def send(self, text: str) -> bool:
+        """Start a reply. On any refusal the prompt stays in the input."""
+        if not text.strip():
+            return False
+        if self.gen is not None:
+            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+            return False
+        if self.engine is None:
+            self.notify("the model is still loading" if self.loading else
+                        f"no model: {self.engine_error or 'not loaded'} (F5 settings)", severity="error")
+            return False
+        chat = self.history.get(self.chat_id)
+        if chat is None:
+            return False
+        try:
+            from core.sampling import SamplingParams
+            s = chat.sampling
+            params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        except ValueError as e:
+            self.notify(f"chat settings: {e}", severity="error")
+            return False
+        first = not self.history.messages(chat.id)
+        msg_id = self.history.add_message(chat.id, "user", text)
+        if first and chat.title in ("New chat", "Untitled"):
+            self.history.rename(chat.id, title_from(text))
+            self.title = f"colibrì · {self.history.get(chat.id).title}"
+        messages = self.history.engine_messages(chat.id)
+        view = self.messages_view
+        for w in view.query("#empty"):
+            w.remove()
+        widget = AssistantMessage("", streaming=True)
+        self.prompt_input.clear()
+        await view.mount_all([UserMessage(text), widget])
+        view.scroll_end(animate=False)
+        self.gen = Generation(chat.id, text, msg_id, widget)
+        self.tier_panel.reset()
+        self.refresh_chat_list()
+        self.set_status(f"{self.model_name} · generating · Esc stops")
+        self.generate(self.gen, messages, params, s.max_new_tokens)
+        return True
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate(self, gen: Generation, messages: list[dict], params, max_new_tokens: int) -> None:
+        from .runner import run_generation
+
+        def post(batch: dict) -> None:
+            # thread-safe and non-blocking: the engine never waits for the UI to paint
+            gen.applied.clear()
+            self.post_message(BatchReady(gen, batch))
+        run_generation(self.engine, messages, params, max_new_tokens, post, cancelled=lambda: gen.cancel,
+                       ready=gen.applied.is_set)
+
+    async def on_batch_ready(self, message: "BatchReady") -> None:
+        try:
+            await self._apply_batch(message.gen, message.batch)
+        finally:
+            message.gen.applied.set()
+
+    async def _apply_batch(self, gen: Generation, batch: dict) -> None:
+        if not self.is_running or not self.screen_stack:
+            return
+        gen.text += batch["text"]
+        if gen.widget is not None and gen.widget.is_attached and len(gen.widget.content) < len(gen.text):
+            await gen.widget.append(gen.text[len(gen.widget.content):])
+        gen.tokens += batch["tokens"]
+        panel = self.tier_panel
+        panel.push(stats=batch["stats"], rate=batch["rate"], placement=batch["placement"],
+                   heat=batch["heat"], routed=batch["routed"], slot_bytes=self.slot_bytes)
+        if not batch["final"]:
+            n = (batch["stats"] or {}).get("new_tokens", gen.tokens)
+            self.set_status(f"{self.model_name} · generating · {n} tokens · Esc stops")
+            return
+        await self._finish(gen, batch)
+
+    async def _finish(self, gen: Generation, batch: dict) -> None:
+        error, reason, stats = batch["error"], batch["reason"], batch["stats"]
+        self.gen = None
+        if error and not gen.text:
+            # nothing came back: undo the turn and give the prompt back
+            self.history.delete_message(gen.user_message_id)
+            if gen.widget is not None and gen.widget.is_attached:
+                if self.chat_id == gen.chat_id:
+                    await self.show_chat(gen.chat_id)
+            if not self.prompt_input.text.strip():
+                self.prompt_input.text = gen.prompt
+            self.notify(f"generation failed: {error}", severity="error")
+            self.set_status(f"{self.model_name} · error: {error}")
+            return
+        meta = fmt_meta(stats, reason)
+        if error:
+            meta += f" · error: {error}"
+        self.history.add_message(gen.chat_id, "assistant", gen.text, {"stats": stats, "reason": reason})
+        if gen.widget is not None and gen.widget.is_attached:
+            await gen.widget.finish(meta)
+        self.refresh_chat_list()
+        self.set_status(f"{self.model_name} · {'stopped' if reason == 'cancelled' else 'ready'} · {meta}")
+        if getattr(self, "_reopen_after", False):
+            self._reopen_after = False
+            self.resolve_and_load()
+
+    def action_stop_reply(self) -> None:
+        if self.gen is None:
+            return
+        self.gen.cancel = True
+        if self.engine is not None:
+            self.engine.cancel()
+        self.set_status(f"{self.model_name} · stopping …")
+
+    def on_unmount(self) -> None:
+        gen = self.gen
+        if gen is not None:
+            gen.cancel = True
+            if self.engine is not None:
+                self.engine.cancel()
+            if gen.text:             # closing mid-reply: keep what came so far
+                try:
+                    self.history.add_message(gen.chat_id, "assistant", gen.text, {"reason": "interrupted"})
+                except Exception:
+                    pass
+        try:
+            self.history.close()
+        except Exception:
+            pass
+
+
+def main(model: str | None = None) -> int:
+    ColiApp(model_path=model).run()
+    return 0

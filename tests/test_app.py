@@ -1,0 +1,392 @@
+"""The full-screen app driven by Textual's Pilot against a tiny real container."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.conftest import tiny_config, write_hf_model
+
+pytest.importorskip("textual")
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer_files(d, vocab):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, ciao mondo, the quick brown fox"] * 20, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    from core.converter import convert
+    from models import validate_config
+    d = tmp_path_factory.mktemp("app")
+    src = d / "src"
+    src.mkdir()
+    vocab = _tokenizer_files(src, 300)
+    write_hf_model(src, tiny_config(vocab_size=vocab, num_hidden_layers=3, num_experts=8))
+    # no reachable eos: replies run until max_new_tokens or Esc
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab + 50}))
+    return convert(src, d / "c", bits=8, validate_config=validate_config)
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLI_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("COLI_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("COLI_MODEL", raising=False)
+    monkeypatch.delenv("COLI_RAM_GB", raising=False)
+    return tmp_path
+
+
+def make_app(container, **kw):
+    from colibri_tui.app import ColiApp
+    from colibri_tui.settings import Sampling, Settings
+    s = Settings(sampling=Sampling(max_new_tokens=kw.pop("max_new_tokens", 24), seed=1))
+    return ColiApp(model_path=container, settings=s, engine_options={"cap": 3, "threads": 1}, **kw)
+
+
+async def wait_for(pilot, cond, timeout=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("timed out waiting")
+        await pilot.pause(0.02)
+
+
+async def type_and_send(pilot, text):
+    app = pilot.app
+    app.prompt_input.focus()
+    app.prompt_input.text = text
+    await pilot.press("enter")
+
+
+def test_send_streams_markdown_reply_and_tier_panel(container, dirs):
+    from colibri_tui.chatview import AssistantMessage
+    from colibri_tui.tierpanel import TierPanel
+
+    async def run():
+        app = make_app(container)
+        batches = []
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            orig = app._apply_batch
+
+            async def spy(gen, batch):
+                batches.append(batch)
+                await orig(gen, batch)
+            app._apply_batch = spy          # every batch the worker posts passes here
+            # Ctrl+J adds a newline instead of sending
+            app.prompt_input.focus()
+            await pilot.press("h", "i", "ctrl+j", "x")
+            assert app.prompt_input.text == "hi\nx" and app.gen is None
+            app.prompt_input.text = "hello world"
+            await pilot.press("enter")
+            assert app.prompt_input.text == ""                 # sent
+            await wait_for(pilot, lambda: app.gen is None and batches and batches[-1]["final"])
+            reply = app.query(AssistantMessage).last()
+            assert reply.content and reply.content == app.history.messages(app.chat_id)[-1].content
+            assert batches[-1]["stats"]["new_tokens"] == 24
+            # batched: fewer UI calls than tokens
+            assert len(batches) < 24
+            panel = app.query_one(TierPanel)
+            text = panel.plain()
+            assert "hit rate" in text and "RAM" in text and "%" in text and "1st token" in text
+            # toggles
+            await pilot.press("f2")
+            assert not panel.display
+            await pilot.press("f2")
+            assert panel.display
+            assert app.history.chats()[0].title == "hello world"
+    asyncio.run(run())
+
+
+def test_escape_cancels_a_long_reply(container, dirs):
+    async def run():
+        from textual import events
+        app = make_app(container, max_new_tokens=100000)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            # keys are posted, not pressed: Pilot.press waits for an idle app, and a streaming
+            # reply keeps it busy
+            key = lambda k, c=None: app.prompt_input.post_message(events.Key(k, c))
+            app.prompt_input.text = "tell me everything"
+            key("enter")
+            await wait_for(pilot, lambda: app.gen is not None and app.gen.tokens >= 5)
+            t0 = time.monotonic()
+            for k in ("a", "b"):
+                key(k, k)
+            key("enter")                                   # a second send is refused, text kept
+            await wait_for(pilot, lambda: app.prompt_input.text == "ab")
+            assert time.monotonic() - t0 < 2.0 and app.gen is not None   # typing stays responsive
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: app.gen is None, timeout=5)
+            last = app.history.messages(app.chat_id)[-1]
+            assert last.role == "assistant" and last.stats["reason"] == "cancelled"
+            assert 5 <= last.stats["stats"]["new_tokens"] < 100000
+            assert app.prompt_input.text == "ab"
+            # switching chats while a reply streams: it keeps streaming into its own chat
+            first = app.chat_id
+            app.prompt_input.text = "again"
+            key("enter")
+            await wait_for(pilot, lambda: app.gen is not None and app.gen.tokens >= 3)
+            await app.action_new_chat()
+            assert app.chat_id != first and app.gen is not None and app.gen.widget is None
+            await app.show_chat(first)
+            await wait_for(pilot, lambda: app.gen.widget is not None and len(app.gen.widget.content) > 0)
+        # closing the app mid-reply keeps what came so far
+        msgs = app.history.__class__(app.history.path).messages(first)
+        assert msgs[-1].role == "assistant" and msgs[-1].stats["reason"] == "interrupted"
+    asyncio.run(run())
+
+
+def test_history_survives_restart_and_prompt_is_kept_when_send_fails(container, dirs):
+    from colibri_tui.chatview import AssistantMessage, UserMessage
+
+    async def first():
+        app = make_app(container, max_new_tokens=6)
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            await type_and_send(pilot, "ciao mondo")
+            await wait_for(pilot, lambda: app.gen is None and len(app.history.messages(app.chat_id)) == 2)
+            app.history.rename(app.chat_id, "kept")
+            return app.chat_id
+
+    async def second(chat_id):
+        app = make_app(container)
+        async with app.run_test() as pilot:
+            await pilot.pause()
+            assert app.chat_id == chat_id and app.history.get(chat_id).title == "kept"
+            assert [u.content for u in app.query(UserMessage)] == ["ciao mondo"]
+            assert len(app.query(AssistantMessage)) == 1
+            # a second chat, then export
+            await pilot.press("ctrl+n")
+            assert app.chat_id != chat_id and len(app.history.chats()) == 2
+            app.chat_id = chat_id
+            path = app.action_export_chat()
+            assert path.exists() and "## User" in path.read_text() and "ciao mondo" in path.read_text()
+
+    async def no_model():
+        from colibri_tui.app import ColiApp
+        from colibri_tui.screens import MessageScreen
+        from colibri_tui.settings import Settings
+        app = ColiApp(settings=Settings())
+        app.resolved_model = lambda: None
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, MessageScreen))
+            await pilot.press("escape")
+            await type_and_send(pilot, "please keep me")
+            await pilot.pause()
+            assert app.prompt_input.text == "please keep me"      # the prompt is never lost
+            assert not any(m.role == "user" for m in app.history.messages(app.chat_id))
+
+    async def bad_model():
+        from colibri_tui.app import ColiApp
+        from colibri_tui.screens import MessageScreen
+        from colibri_tui.settings import Settings
+        app = ColiApp(model_path=dirs / "not-a-model", settings=Settings())
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, MessageScreen) and app.screen.query("#message-body"))
+            body = str(app.screen.query_one("#message-body").render())
+            assert "not-a-model" in body and "Traceback" not in body and app.engine is None
+
+    cid = asyncio.run(first())
+    asyncio.run(bad_model())
+    asyncio.run(second(cid))
+    asyncio.run(no_model())
+
+
+def test_brain_map_bins_a_large_grid(dirs):
+    from textual.app import App
+
+    from colibri_tui.brainmap import BrainMap, Grid, bins
+
+    b = bins(76, 40)
+    assert len(b) == 40 and sum(map(len, b)) == 76 and max(map(len, b)) - min(map(len, b)) <= 1
+    assert sum(len(b) for b in bins(256, 36)) == 256 and len(bins(256, 36)) == 36
+    L, E = 76, 256
+    placement = {l: {e: ("pinned" if e < 8 else "ram") for e in range(0, 64)} for l in range(L)}
+    heat = {(l, e): (e * 7 + l) % 50 for l in range(L) for e in range(E)}
+    routed = {l: [l % E, (l * 3) % E] for l in range(L)}
+    g = Grid(L, E, 40, 36, placement, heat, routed)
+    assert g.rows == 40 and g.cols == 36
+    assert g.tier[0][0] == "pinned" and g.tier[0][5] == "ram" and g.tier[0][30] == "disk"
+    assert any(any(r) for r in g.flash)
+
+    from colibri_tui.tierpanel import TierPanel
+
+    class MapApp(App):
+        def compose(self):
+            yield TierPanel()
+
+    async def run():
+        app = MapApp()
+        async with app.run_test(size=(60, 50)) as pilot:
+            panel = app.query_one(TierPanel)
+            panel.set_model(L, E, ram_budget=64 * L * 1000)
+            panel.push(stats={"new_tokens": 3, "hit_rate": 0.5, "hits": 1, "misses": 1, "bytes_read": 10,
+                              "attention_s": 1.0, "experts_s": 2.0},
+                       rate=4.0, placement=placement, heat=heat, routed=routed, slot_bytes=1000)
+            await pilot.pause()
+            bm = app.query_one(BrainMap)
+            assert bm.size.height >= 5 and "76 layers × 256 experts" in str(panel.query_one("#brain-title").render())
+            assert "RAM tier" in panel.plain() and "4.9 MB / 4.9 MB" in panel.plain()
+            lines = [bm.render_line(y) for y in range(bm.size.height)]
+            assert all(line.cell_length == bm.size.width for line in lines)
+            assert bm.grid().rows == min(L, 2 * bm.size.height) and bm.grid().cols == min(E, bm.size.width)
+    asyncio.run(run())
+
+
+def test_thinking_is_collapsible_and_answer_is_markdown(dirs):
+    from textual.app import App
+    from textual.widgets import Collapsible
+
+    from colibri_tui.chatview import AssistantMessage, split_think
+
+    assert split_think("<thi") == (None, "", False)
+    assert split_think("<think>abc</th") == ("abc", "", True)
+    assert split_think("<think>abc</think>\n\nHi") == ("abc", "Hi", False)
+    assert split_think("plain **md**") == (None, "plain **md**", False)
+
+    class OneMessage(App):
+        def compose(self):
+            yield AssistantMessage("", streaming=True)
+
+    async def run():
+        app = OneMessage()
+        async with app.run_test() as pilot:
+            m = app.query_one(AssistantMessage)
+            for chunk in ("<thi", "nk>let me", " think</thi", "nk>\n\nThe **answer**", " is 42."):
+                await m.append(chunk)
+                await pilot.pause()
+            c = app.query_one(Collapsible)
+            assert c.collapsed and c.title == "Thinking"
+            await m.finish("done")
+            await pilot.pause()
+            assert m.markdown.source == "The **answer** is 42."
+            assert "let me think" in str(c.query_one(".thinking").render())
+    asyncio.run(run())
+
+
+def test_settings_roundtrip_and_env_overrides(dirs, monkeypatch):
+    from colibri_tui import settings as S
+
+    s = S.load()
+    assert s.policy == "lru" and s.ram_gb is None and s.prefetch
+    s.ram_gb, s.policy, s.o_direct, s.threads = 3.5, "lfru", True, 2
+    s.sampling.temperature = 0.2
+    path = S.save(s)
+    assert path == dirs / "config" / "config.toml"
+    t = S.load()
+    assert (t.ram_gb, t.policy, t.o_direct, t.threads, t.sampling.temperature) == (3.5, "lfru", True, 2, 0.2)
+    monkeypatch.setenv("COLI_RAM_GB", "9")
+    monkeypatch.setenv("COLI_MODEL", "/some/model")
+    u = S.load()
+    assert u.ram_gb == 9.0 and u.model == "/some/model" and set(u.overridden) == {"ram_gb", "model"}
+    S.save(u)                                   # environment values are not written back
+    monkeypatch.delenv("COLI_RAM_GB")
+    monkeypatch.delenv("COLI_MODEL")
+    assert S.load().ram_gb == 3.5 and S.load().model == ""
+    path.write_text("not = [valid")
+    assert S.load().policy == "lru"             # a broken file gives the defaults, not a crash
+
+
+def test_chat_management_and_palette(container, dirs):
+    from textual.widgets import Input
+
+    from colibri_tui.screens import ChatSettingsScreen, ConfirmScreen, TextPrompt
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            first = app.chat_id
+            await pilot.press("f6")                          # rename
+            assert isinstance(app.screen, TextPrompt)
+            app.screen.query_one(Input).value = "my chat"
+            await pilot.press("enter")
+            assert app.history.get(first).title == "my chat"
+            await pilot.press("f4")                          # per-chat system prompt and sampling
+            assert isinstance(app.screen, ChatSettingsScreen)
+            app.screen.query_one("#temperature", Input).value = "0.3"
+            app.screen.query_one("#system").text = "Be brief."
+            await pilot.click("#save")
+            chat = app.history.get(first)
+            assert chat.sampling.temperature == 0.3 and chat.system_prompt == "Be brief."
+            assert app.history.engine_messages(first) == [{"role": "system", "content": "Be brief."}]
+            await pilot.press("ctrl+n")
+            second = app.chat_id
+            await pilot.press("f8")                          # delete, confirmed
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            assert app.history.get(second) is None and app.chat_id == first
+            # app settings: saved to config.toml, the engine reopens with them
+            from colibri_tui import settings as S
+            from colibri_tui.screens import SettingsScreen
+            await wait_for(pilot, lambda: app.engine is not None)
+            old = app.engine
+            await pilot.press("f5")
+            assert isinstance(app.screen, SettingsScreen)
+            app.screen.query_one("#ram_gb", Input).value = "2"
+            app.screen.query_one("#threads", Input).value = "1"
+            await pilot.click("#save")
+            assert S.load().ram_gb == 2.0 and S.load().threads == 1
+            await wait_for(pilot, lambda: app.engine is not None and app.engine is not old)
+            names = {c.title for c in app.get_system_commands(app.screen)}
+            assert {"New chat", "Stop reply", "Toggle tier panel", "Export chat to Markdown"} <= names
+    asyncio.run(run())
+
+
+def test_runner_batches_and_backs_off():
+    from core.events import Done, Stats, Token
+    from colibri_tui.runner import run_generation
+
+    class FakeEngine:
+        def __init__(self):
+            self.cancelled = False
+
+        def generate(self, messages, sampling, stop=(), max_new_tokens=0):
+            for i in range(max_new_tokens):
+                if self.cancelled:
+                    break
+                time.sleep(0.002)
+                yield Token(i, "x")
+                yield Stats(new_tokens=i + 1, extra={"final": False, "routed": {0: [i % 4]}})
+            yield Stats(new_tokens=max_new_tokens, extra={"final": True, "ids": [], "text": ""})
+            yield Done("cancelled" if self.cancelled else "length")
+
+        def cancel(self):
+            self.cancelled = True
+
+        def placement(self):
+            return {0: {1: "ram"}}
+
+        def heat(self):
+            return {(0, 1): 3}
+
+    posts = []
+    out = run_generation(FakeEngine(), [], None, 100, posts.append, interval=0.02)
+    assert "".join(p["text"] for p in posts) == "x" * 100 == out["text"]
+    assert sum(p["tokens"] for p in posts) == 100 and 2 < len(posts) < 60
+    assert posts[-1]["final"] and posts[-1]["reason"] == "length" and posts[-1]["placement"] == {0: {1: "ram"}}
+    assert all(not p["final"] for p in posts[:-1]) and posts[0]["routed"] is not None
+    # the UI is busy: nothing but the final batch goes out, and it carries everything
+    posts.clear()
+    run_generation(FakeEngine(), [], None, 50, posts.append, interval=0.0, ready=lambda: False)
+    assert len(posts) == 1 and posts[0]["text"] == "x" * 50 and posts[0]["final"]
+    # cancel is passed to the engine on the next event
+    posts.clear()
+    out = run_generation(FakeEngine(), [], None, 10**6, posts.append, cancelled=lambda: True)
+    assert out["reason"] == "cancelled" and len(out["text"]) < 5
