@@ -26,9 +26,16 @@ def backend() -> str:
     return "cython" if _compiled is not None else "numpy"
 
 
+def default_threads() -> int:
+    """Physical cores: decode is bandwidth-bound and SMT siblings only contend for it."""
+    import psutil
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 def set_threads(n: int | None) -> None:
-    if _compiled is not None and n:
-        _compiled.set_num_threads(int(n))
+    """Compute threads for the kernels (None: physical cores)."""
+    if _compiled is not None:
+        _compiled.set_num_threads(int(n) if n else default_threads())
 
 
 def get_threads() -> int:

@@ -7,7 +7,6 @@ first (needs the ``oracle`` extra) so the checks also hold on models nobody has 
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from colibri_tui.cli import main as coli
 from core import kernels
 from core.engine import KVCache
 from models import open_model
-from tests.conftest import ROOT, oracle_names as _names
+from tests.conftest import oracle_names as _names
 
 AGREEMENT: dict[str, float] = {}
 
@@ -89,7 +88,7 @@ def test_numpy_reference_path_agrees_with_kernels(name, fixture_root, containers
 def test_thread_count_does_not_change_logits(name, fixture_root, containers):
     ref = _ref(fixture_root, name)
     outs = [open_model(containers(name, 4), threads=t).logits(ref["ids"]) for t in (1, 2)]
-    kernels.set_threads(os.cpu_count())
+    kernels.set_threads(None)
     np.testing.assert_array_equal(outs[0], outs[1])
 
 

@@ -44,7 +44,7 @@ def test_logits_identical_across_placements(name, fixture_root, containers):
         np.testing.assert_array_equal(engine.logits(ids), want_tf, err_msg=str(kw))
         np.testing.assert_array_equal(_decode_logits(engine, ids[:6], 12), want_dec, err_msg=str(kw))
         engine.store.close()
-    kernels.set_threads(0)
+    kernels.set_threads(None)
 
 
 def test_small_cap_reads_from_disk_and_counts(containers):
