@@ -4,6 +4,13 @@ OpenMP is used when the active compiler can compile and link a tiny OpenMP progr
 ``-fopenmp`` (gcc / clang / MinGW), ``/openmp`` (MSVC), and on macOS Apple clang with
 ``-Xpreprocessor -fopenmp -lomp`` against Homebrew's libomp. Otherwise the extension is built
 serial, with a warning. ``COLI_NO_OPENMP=1`` forces the serial build.
+
+SIMD: the build targets the baseline of the platform (never ``-march=native``). The hot loops in
+``cython_kernels/qkern.h`` carry AVX2+FMA and AVX-512 variants compiled per function
+(``__attribute__((target(...)))``, gcc / clang on x86-64) and picked at run time from the CPU's
+feature flags; other compilers / CPUs get the portable C variant (auto-vectorized; NEON on
+arm64). ``-ffp-contract=off`` keeps the portable variant's bits independent of the compiler's
+FMA contraction; the AVX2 / AVX-512 variants use explicit FMAs (see qmatmul.pyx, "Guarantees").
 """
 import os
 import shutil
@@ -99,7 +106,8 @@ class BuildExt(build_ext):
 
 
 extensions = cythonize(
-    [Extension("cython_kernels.qmatmul", ["cython_kernels/qmatmul.pyx"])],
+    [Extension("cython_kernels.qmatmul", ["cython_kernels/qmatmul.pyx"],
+               include_dirs=["cython_kernels"], depends=["cython_kernels/qkern.h"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
 )
 

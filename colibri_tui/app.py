@@ -31,7 +31,7 @@ NO_MODEL = ("No model is configured and this install has no demo model.\n\n"
             "    coli convert /path/to/hf-model ./my-model\n"
             "    coli chat --model ./my-model\n\n"
             "or set COLI_MODEL, or `model = \"...\"` in {config}.\n"
-            "(The guided setup wizard is not part of this version.)\n\n"
+            "or let the setup wizard download and convert one: Ctrl+P → “Set up a model”.\n\n"
             "Esc closes this message: your chats stay readable.")
 
 
@@ -122,8 +122,9 @@ class ColiApp(App):
 
     def __init__(self, model_path: str | os.PathLike | None = None, settings: Settings | None = None,
                  history_path: str | os.PathLike | None = None, engine_options: dict | None = None,
-                 engine=None, **kw):
+                 engine=None, setup_wizard: bool = False, **kw):
         super().__init__(**kw)
+        self.setup_wizard = setup_wizard      # no model and no demo: open the wizard, not a message
         self.settings = settings if settings is not None else settings_mod.load()
         self.model_path = str(model_path) if model_path else None
         self.engine_options = dict(engine_options or {})     # command-line flags beat the config
@@ -195,12 +196,25 @@ class ColiApp(App):
         if path is None:
             self.loading = False
             self.engine_error = "no model configured"
-            self.set_status("no model configured · F5 settings")
+            self.set_status("no model configured · Ctrl+P “Set up a model” · F5 settings")
+            if self.setup_wizard:
+                self.action_setup_wizard()
+                return
             self.push_screen(MessageScreen("No model yet", NO_MODEL.format(config=settings_mod.config_path())))
             return
         self.loading = True
         self.set_status(f"loading {Path(path).name} …")
         self.load_engine(path)
+        if self.setup_wizard:
+            from .wizard import pending_setup
+            if pending_setup() is not None:
+                self.notify("an unfinished model setup can be resumed: Ctrl+P → “Set up a model”")
+
+    def action_setup_wizard(self) -> None:
+        """The guided path from nothing to a running model (resumes an unfinished setup)."""
+        from .wizard import SetupWizard
+        if not isinstance(self.screen, SetupWizard):
+            self.push_screen(SetupWizard())
 
     def _open_options(self) -> dict:
         s = self.settings
@@ -434,6 +448,8 @@ class ColiApp(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
+        yield SystemCommand("Set up a model", "Download, convert and verify a model, or pick a folder "
+                            "(resumes an unfinished setup)", self.action_setup_wizard)
         yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
         yield SystemCommand("Stop reply", "Stop the reply being generated (Esc)", self.action_stop_reply)
         yield SystemCommand("Toggle tier panel", "Show or hide the tier panel and Brain map (F2)",

@@ -61,7 +61,7 @@ def run_app(args) -> int:
     from .settings import load
     settings = load()
     ColiApp(model_path=getattr(args, "model", None), settings=settings,
-            engine_options=engine_options(args)).run()
+            engine_options=engine_options(args), setup_wizard=True).run()
     return 0
 
 

@@ -6,11 +6,17 @@ can fall back to the numpy references in ``core.quant``.
 """
 try:
     from .qmatmul import (
+        expert_swiglu,
         get_num_threads,
+        int8_activations,
         openmp_enabled,
         q4_matmul,
         q8_matmul,
+        set_int8_activations,
         set_num_threads,
+        set_simd,
+        simd_level,
+        simd_variants,
     )
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise ImportError(
@@ -18,4 +24,6 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "or `pip install -e .` in the colibri checkout"
     ) from exc
 
-__all__ = ["q4_matmul", "q8_matmul", "set_num_threads", "get_num_threads", "openmp_enabled"]
+__all__ = ["q4_matmul", "q8_matmul", "expert_swiglu", "set_num_threads", "get_num_threads",
+           "openmp_enabled", "simd_level", "simd_variants", "set_simd", "set_int8_activations",
+           "int8_activations"]

@@ -2,29 +2,26 @@
 # cython: cdivision=True, nonecheck=False
 """Quantized matmul kernels (int4 grouped, int8 per row), OpenMP-parallel over output rows.
 
-Formats are those of ``core.quant``. Every output row is computed by exactly one thread, in a
-fixed order that depends neither on the thread count nor on T (decode, T == 1, and prefill,
-T > 1, give the same bits), so results are bit-identical for any number of threads. setup.py
-compiles with -ffp-contract=off (no FMA fusion), so on gcc/clang the bits follow from the
-source order alone. No numpy C-API is used (numpy is imported at Python level only).
+Formats are those of ``core.quant``. The hot loops live in ``qkern.h`` (C), in SIMD variants
+chosen at run time: ``avx512`` (AVX-512 F/BW/VL), ``avx2`` (AVX2 + FMA) and ``portable`` (plain C,
+auto-vectorized by the compiler; the only variant off x86 or with MSVC). ``simd_level()`` names
+the variant in use, ``simd_variants()`` those this CPU runs, ``set_simd(name)`` forces one
+("auto" restores the best). The build targets baseline x86-64 (never -march=native): the wider
+variants are compiled per function and picked with the CPU's feature flags.
 
-int4, per output row (all float32):
-  * the row's packed bytes are copied into an aligned thread-local buffer of native uint32
-    words, each group padded to whole words with 0x88 bytes (zero weights);
-  * x is permuted once per call into 8 planes, X[i][k] = x of nibble i of word k (0 where
-    padded), and every word gets its group's scale sw[k];
-  * p[k] = ((((n0 * X0 + n1 * X1) + (n2 * X2 + n3 * X3)) + ((n4 * X4 + n5 * X5) + (n6 * X6 +
-    n7 * X7))) * sw[k], with n_i = nibble i of word k minus 8 (bits 4i..4i+3);
-  * y = 16 lanes (lane l sums p[k] for k % 16 == l, in order), folded by a fixed tree.
-  Prefill unpacks the row once to floats n_i (8 planes) in a thread-local buffer and runs the
-  same expression for every x row.
-int8, per output row: 16 lanes, lane l sums q[j] * x[j] for j % 16 == l in order (a last partial
-chunk is padded with zeros), folded by the same tree, times s[o].
+Guarantees, per variant: every output row is computed by exactly one thread, in an order that
+depends only on the shapes, so results are bit-identical for any number of threads, run to run,
+and between decode (T == 1) and prefill (T > 1) of the same row. Variants sum in different orders
+(and the SIMD ones use fused multiply-adds), so they agree with each other and with the numpy
+reference (core.quant) to float32 rounding (~1e-6 relative), not bit for bit. Activations stay
+float32: weights are widened to float, never x narrowed -- unless the opt-in int8-activation path
+is switched on (``set_int8_activations``; off by default; ~0.5 % rms error). See qkern.h for the
+summation order. ``expert_swiglu`` runs a whole SwiGLU expert (gate and up in one pass).
+No numpy C-API is used (numpy is imported at Python level only).
 """
 from cython.parallel cimport prange, threadid
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy, memset
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint8_t, int8_t, int32_t
 
 import numpy as np
 
@@ -41,24 +38,38 @@ cdef extern from *:
     """
     int coli_openmp_enabled() noexcept nogil
     int coli_max_threads() noexcept nogil
-    # restrict-qualified output pointer: lets the compiler vectorize without alias checks
-    ctypedef float* f32_rp "float * __restrict"
 
-cdef enum:
-    LANES = 16
+cdef extern from "qkern.h":
+    ctypedef Py_ssize_t coli_idx
+    int COLI_PORTABLE, COLI_AVX2, COLI_AVX512, COLI_NLEVELS, COLI_GINIT
+    const char* coli_level_names[]
+    int coli_simd_supported(int level) noexcept nogil
+    int coli_simd_best() noexcept nogil
+    int coli_q4_cb(int level, coli_idx gs) noexcept nogil
+    coli_idx coli_q4_gstride(coli_idx gs) noexcept nogil
+    int coli_q4_level(int level, coli_idx gs) noexcept nogil
+    void coli_q4_prep(int cb, const float* x, coli_idx T, coli_idx cols, coli_idx gs,
+                      coli_idx ng, float* xp, float* ginit) noexcept nogil
+    size_t coli_q4_scratch_floats(int lv, coli_idx T, coli_idx rb, coli_idx L) noexcept nogil
+    void coli_q4_rows(int lv, const uint8_t* w, const float* s, const float* xp, const float* gi,
+                      float* y, float* U, coli_idx r0, coli_idx r1, coli_idx T, coli_idx O,
+                      coli_idx nb, coli_idx ng, coli_idx gs) noexcept nogil
+    int coli_q4i8_ok(int level, coli_idx gs) noexcept nogil
+    void coli_q4i8_prep(const float* x, coli_idx T, coli_idx cols, coli_idx L, int8_t* xq,
+                        float* xd, int32_t* xc) noexcept nogil
+    void coli_q4i8_rows(const uint8_t* w, const float* s, const int8_t* xq, const float* xd,
+                        const int32_t* xc, float* y, coli_idx r0, coli_idx r1, coli_idx T,
+                        coli_idx O, coli_idx nb, coli_idx ng, coli_idx gs) noexcept nogil
+    coli_idx coli_q8_block(int level) noexcept nogil
+    void coli_q8_prep(const float* x, coli_idx T, coli_idx cols, coli_idx Lp, float* xp) noexcept nogil
+    size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp) noexcept nogil
+    void coli_q8_rows(int level, const int8_t* w, const float* s, const float* xp, float* y,
+                      float* U, coli_idx r0, coli_idx r1, coli_idx T, coli_idx O, coli_idx cols,
+                      coli_idx Lp) noexcept nogil
 
 cdef int _num_threads = 0   # 0: OpenMP default (omp_get_max_threads, i.e. OMP_NUM_THREADS)
-cdef int _byte_of_nibble[8]  # memory byte (0..3) of nibble i (bits 4i..4i+3) of a native word
-
-
-cdef void _init_byte_order() noexcept:
-    cdef uint32_t one = 1
-    cdef bint little = (<unsigned char*>&one)[0] == 1
-    cdef int i
-    for i in range(8):
-        _byte_of_nibble[i] = i // 2 if little else 3 - i // 2
-
-_init_byte_order()
+cdef int _level = coli_simd_best()
+cdef bint _int8_act = False
 
 
 def openmp_enabled():
@@ -79,6 +90,57 @@ def get_num_threads():
     return _num_threads if _num_threads > 0 else coli_max_threads()
 
 
+def simd_variants():
+    """Names of the SIMD variants this CPU can run, best last (always starts with 'portable')."""
+    return [coli_level_names[l].decode() for l in range(COLI_NLEVELS) if coli_simd_supported(l)]
+
+
+def simd_level():
+    """Name of the SIMD variant the kernels use now."""
+    return coli_level_names[_level].decode()
+
+
+def set_simd(name):
+    """Force a SIMD variant ('portable', 'avx2', 'avx512'), or 'auto' for the best this CPU runs.
+
+    Raises ValueError for an unknown name or a variant this CPU (or this build) cannot run.
+    Meant for tests and benchmarks; not thread-safe against kernels running concurrently.
+    """
+    global _level
+    if name == "auto":
+        _level = coli_simd_best()
+        return
+    for l in range(COLI_NLEVELS):
+        if coli_level_names[l].decode() == name:
+            if not coli_simd_supported(l):
+                raise ValueError(f"SIMD variant {name!r} is not supported on this CPU/build "
+                                 f"(supported: {', '.join(simd_variants())})")
+            _level = l
+            return
+    raise ValueError(f"unknown SIMD variant {name!r} (expected 'auto' or one of "
+                     f"{[coli_level_names[l].decode() for l in range(COLI_NLEVELS)]})")
+
+
+def set_int8_activations(bint on):
+    """Opt-in fast path (off by default): int4 products quantize x to int8 (per 32 elements,
+    scale absmax / 127) and use integer dot products (AVX2 maddubs), ~2-3x less work per weight.
+
+    Accuracy cost: x carries ~0.4 % relative rounding (uniform, +-0.5 / 127 of each 32-block's
+    absmax), so outputs are off by ~0.1-0.5 % of their magnitude instead of ~1e-6 (measured in
+    benchmarks/README.md); logits change, greedy text usually does not. Applies only where it
+    exists: the avx2 / avx512 variants and group sizes that are multiples of 64; elsewhere (and
+    for int8 weights) the float32 path runs. Deterministic and thread-count independent like the
+    float path; decode and prefill give the same bits.
+    """
+    global _int8_act
+    _int8_act = on
+
+
+def int8_activations():
+    """True when the opt-in int8-activation path for int4 weights is on."""
+    return bool(_int8_act)
+
+
 cdef int _threads_for(Py_ssize_t rows):
     cdef int nt = get_num_threads()
     if nt > rows:
@@ -86,254 +148,162 @@ cdef int _threads_for(Py_ssize_t rows):
     return nt if nt > 0 else 1
 
 
-cdef inline Py_ssize_t _up16(Py_ssize_t n) noexcept nogil:
-    return (n + 15) & ~(<Py_ssize_t>15)
-
-
-cdef inline float _fold16(float* acc) noexcept nogil:
-    cdef Py_ssize_t l
-    for l in range(8):
-        acc[l] = acc[l] + acc[l + 8]
-    for l in range(4):
-        acc[l] = acc[l] + acc[l + 4]
-    return (acc[0] + acc[1]) + (acc[2] + acc[3])
-
-
-cdef inline float _sum16(const float* p, Py_ssize_t n) noexcept nogil:
-    """Fixed-order sum of p[0:n], n a multiple of 16."""
-    cdef float acc[LANES]
-    cdef Py_ssize_t j, l
-    for l in range(LANES):
-        acc[l] = 0
-    j = 0
-    while j < n:
-        for l in range(LANES):
-            acc[l] = acc[l] + p[j + l]
-        j += LANES
-    return _fold16(acc)
+cdef inline Py_ssize_t _up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
+    return (n + m - 1) // m * m
 
 
 # --- int4 -------------------------------------------------------------------------------------
 
-cdef inline void _q4_words(const uint32_t* wd, const float* X, const float* sw, f32_rp p,
-                           Py_ssize_t nw, Py_ssize_t S) noexcept nogil:
-    """p[k] for the packed words wd[0:nw] (decode). X: 8 planes of stride S."""
-    cdef Py_ssize_t k
-    cdef uint32_t v
-    for k in range(nw):
-        v = wd[k]
-        p[k] = ((((<float>(<int>(v & 15) - 8) * X[k]
-                   + <float>(<int>((v >> 4) & 15) - 8) * X[S + k])
-                  + (<float>(<int>((v >> 8) & 15) - 8) * X[2 * S + k]
-                     + <float>(<int>((v >> 12) & 15) - 8) * X[3 * S + k]))
-                 + ((<float>(<int>((v >> 16) & 15) - 8) * X[4 * S + k]
-                     + <float>(<int>((v >> 20) & 15) - 8) * X[5 * S + k])
-                    + (<float>(<int>((v >> 24) & 15) - 8) * X[6 * S + k]
-                       + <float>(<int>(v >> 28) - 8) * X[7 * S + k])))
-                * sw[k])
+cdef int _q4_run(const float* x, Py_ssize_t T, Py_ssize_t cols, Py_ssize_t gs, int nmat,
+                 const uint8_t** ws, const float** ss, float** ys, Py_ssize_t* Os) except -1:
+    """y_m = x @ dequant(W_m).T for nmat (1 or 2) int4 matrices with the same cols / group size
+    (gate and up of an expert share one pass: x is laid out once, one parallel loop)."""
+    cdef Py_ssize_t nb = (cols + 1) // 2
+    cdef Py_ssize_t ng = (cols + gs - 1) // gs
+    cdef Py_ssize_t L = ng * gs
+    cdef int lv = coli_q4_level(_level, gs)
+    cdef int cb = coli_q4_cb(_level, gs)
+    cdef int nt = _threads_for(Os[0] + (Os[1] if nmat == 2 else 0))
+    # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the token
+    # blocks stream over it; decode uses blocks only to amortize the call
+    cdef Py_ssize_t rb = 64 if T == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+    cdef Py_ssize_t nb0 = (Os[0] + rb - 1) // rb
+    cdef Py_ssize_t nblk = nb0 + ((Os[1] + rb - 1) // rb if nmat == 2 else 0)
+    cdef Py_ssize_t per = _up(coli_q4_scratch_floats(lv, T, rb, L), 16)   # floats per thread
+    cdef Py_ssize_t b, r0, r1, O
+    cdef int m
+    if _int8_act and coli_q4i8_ok(_level, gs):
+        return _q4i8_run(x, T, cols, gs, nmat, ws, ss, ys, Os, nt)
+    cdef float* xp = <float*>malloc(<size_t>(T * L) * sizeof(float))
+    cdef float* gi = <float*>malloc(<size_t>(T * ng * coli_q4_gstride(gs)) * sizeof(float))
+    cdef float* scratch = <float*>malloc(<size_t>(nt * per + 16) * sizeof(float))
+    cdef float* base
+    if xp == NULL or gi == NULL or scratch == NULL:
+        free(xp)
+        free(gi)
+        free(scratch)
+        raise MemoryError()
+    base = scratch + ((64 - (<size_t>scratch) % 64) % 64) // 4
+    try:
+        coli_q4_prep(cb, x, T, cols, gs, ng, xp, gi)
+        for b in prange(nblk, nogil=True, num_threads=nt, schedule="dynamic"):
+            m = 0 if b < nb0 else 1
+            r0 = (b if m == 0 else b - nb0) * rb
+            O = Os[m]
+            r1 = r0 + rb
+            if r1 > O:
+                r1 = O
+            coli_q4_rows(lv, ws[m], ss[m], xp, gi, ys[m], base + threadid() * per,
+                         r0, r1, T, O, nb, ng, gs)
+    finally:
+        free(scratch)
+        free(gi)
+        free(xp)
+    return 0
 
 
-cdef inline void _q4_unpack(const uint32_t* wd, float* B, Py_ssize_t nw, Py_ssize_t S) noexcept nogil:
-    """B[i * S + k] = nibble i of wd[k] minus 8 (prefill). One plane per loop: vectorizes."""
-    cdef Py_ssize_t k
-    cdef int i
-    cdef float* b
-    for i in range(8):
-        b = B + i * S
-        for k in range(nw):
-            b[k] = <float>(<int>((wd[k] >> (4 * i)) & 15) - 8)
-
-
-cdef inline void _q4_floats(const float* B, const float* X, const float* sw, f32_rp p,
-                            Py_ssize_t nw, Py_ssize_t S) noexcept nogil:
-    """_q4_words on an unpacked row: the same expression, so the same bits."""
-    cdef Py_ssize_t k
-    for k in range(nw):
-        p[k] = ((((B[k] * X[k] + B[S + k] * X[S + k])
-                  + (B[2 * S + k] * X[2 * S + k] + B[3 * S + k] * X[3 * S + k]))
-                 + ((B[4 * S + k] * X[4 * S + k] + B[5 * S + k] * X[5 * S + k])
-                    + (B[6 * S + k] * X[6 * S + k] + B[7 * S + k] * X[7 * S + k])))
-                * sw[k])
-
-
-cdef inline void _q4_row(const unsigned char* wr, const float* sr, const float* xs, float* y,
-                         char* scratch, Py_ssize_t T, Py_ssize_t O, Py_ssize_t nb,
-                         Py_ssize_t ng, Py_ssize_t gb, Py_ssize_t nwg, Py_ssize_t S) noexcept nogil:
-    """One output row: y[t * O] for all t. xs: T blocks of 8 planes of stride S (S >= nw)."""
-    cdef Py_ssize_t nw = ng * nwg
-    cdef Py_ssize_t t, g, j, off, m
-    cdef uint32_t* wd = <uint32_t*>scratch                # S words
-    cdef float* sw = <float*>(scratch + 4 * S)            # S floats
-    cdef float* p = <float*>(scratch + 8 * S)             # S floats, zero past nw
-    cdef float* B = <float*>(scratch + 12 * S)            # 8 * S floats (prefill only)
-    # packed bytes -> group-aligned words (padding bytes 0x88 = zero weights)
-    if gb % 4 == 0:
-        memcpy(wd, wr, nb)
-        memset((<unsigned char*>wd) + nb, 0x88, 4 * nw - nb)
-    else:
-        memset(wd, 0x88, 4 * nw)
-        for g in range(ng):
-            off = g * gb
-            m = nb - off
-            if m > gb:
-                m = gb
-            memcpy((<unsigned char*>wd) + 4 * nwg * g, wr + off, m)
-    for g in range(ng):
-        for j in range(nwg):
-            sw[g * nwg + j] = sr[g]
-    if T > 1:
-        _q4_unpack(wd, B, nw, S)
-        for t in range(T):
-            _q4_floats(B, xs + 8 * S * t, sw, p, nw, S)
-            y[t * O] = _sum16(p, _up16(nw))
-    else:
-        _q4_words(wd, xs, sw, p, nw, S)
-        y[0] = _sum16(p, _up16(nw))
+cdef int _q4i8_run(const float* x, Py_ssize_t T, Py_ssize_t cols, Py_ssize_t gs, int nmat,
+                   const uint8_t** ws, const float** ss, float** ys, Py_ssize_t* Os,
+                   int nt) except -1:
+    """The opt-in int8-activation path of _q4_run (gs % 64 == 0, AVX2 / AVX-512)."""
+    cdef Py_ssize_t nb = (cols + 1) // 2
+    cdef Py_ssize_t ng = (cols + gs - 1) // gs
+    cdef Py_ssize_t L = ng * gs
+    cdef Py_ssize_t rb = 64
+    cdef Py_ssize_t nb0 = (Os[0] + rb - 1) // rb
+    cdef Py_ssize_t nblk = nb0 + ((Os[1] + rb - 1) // rb if nmat == 2 else 0)
+    cdef Py_ssize_t b, r0, r1, O
+    cdef int m
+    cdef int8_t* xq = <int8_t*>malloc(<size_t>(T * L + 64))
+    cdef float* xd = <float*>malloc(<size_t>(T * (L // 64) * 8) * sizeof(float))
+    cdef int32_t* xc = <int32_t*>malloc(<size_t>(T * (L // 64) * 8) * sizeof(int32_t))
+    if xq == NULL or xd == NULL or xc == NULL:
+        free(xq)
+        free(xd)
+        free(xc)
+        raise MemoryError()
+    try:
+        coli_q4i8_prep(x, T, cols, L, xq, xd, xc)
+        for b in prange(nblk, nogil=True, num_threads=nt, schedule="dynamic"):
+            m = 0 if b < nb0 else 1
+            r0 = (b if m == 0 else b - nb0) * rb
+            O = Os[m]
+            r1 = r0 + rb
+            if r1 > O:
+                r1 = O
+            coli_q4i8_rows(ws[m], ss[m], xq, xd, xc, ys[m], r0, r1, T, O, nb, ng, gs)
+    finally:
+        free(xc)
+        free(xd)
+        free(xq)
+    return 0
 
 
 cdef int _q4_impl(const float[:, ::1] x, const unsigned char[:, ::1] w, const float[:, ::1] s,
                   float[:, ::1] y, Py_ssize_t cols, Py_ssize_t gs) except -1:
-    cdef Py_ssize_t T = x.shape[0]
-    cdef Py_ssize_t O = w.shape[0]
-    cdef Py_ssize_t nb = w.shape[1]
-    cdef Py_ssize_t ng = s.shape[1]
-    cdef Py_ssize_t gb = gs // 2                 # bytes per group
-    cdef Py_ssize_t nwg = (gb + 3) // 4          # words per group
-    cdef Py_ssize_t nw = ng * nwg
-    cdef Py_ssize_t S = _up16(nw)                # plane stride (floats / words)
-    cdef Py_ssize_t per_thread = (12 + (8 if T > 1 else 0)) * S * 4   # bytes, 64-byte multiple
-    cdef int nt = _threads_for(O)
-    cdef Py_ssize_t o, t, g, j, k, i, e, r
-    cdef float* xi
-    cdef const float* xp = &x[0, 0]
-    cdef const unsigned char* wp = &w[0, 0]
-    cdef const float* sp = &s[0, 0]
-    cdef float* yp = &y[0, 0]
-    cdef float* xs = <float*>malloc(<size_t>(T * 8 * S) * sizeof(float))
-    cdef char* scratch = <char*>malloc(<size_t>(nt * per_thread + 64))
-    cdef char* base
-    if xs == NULL or scratch == NULL:
-        free(xs)
-        free(scratch)
-        raise MemoryError()
-    base = scratch + (64 - (<size_t>scratch) % 64) % 64
-    for t in range(nt):   # p is zero past nw (read by _sum16's last lanes)
-        memset(base + t * per_thread + 8 * S, 0, 4 * S)
-    for t in range(T):
-        for i in range(8):
-            xi = xs + t * 8 * S + i * S
-            for g in range(ng):
-                for j in range(nwg):
-                    # word k = g * nwg + j holds bytes 4j..4j+3 of group g; nibble i of it is
-                    # element e of the group, element r of the row
-                    e = 8 * j + 2 * _byte_of_nibble[i] + (i & 1)
-                    r = g * gs + e
-                    xi[g * nwg + j] = xp[t * cols + r] if e < gs and r < cols else 0
-            for k in range(nw, S):
-                xi[k] = 0
-    try:
-        for o in prange(O, nogil=True, num_threads=nt, schedule="static"):
-            _q4_row(wp + o * nb, sp + o * ng, xs, yp + o, base + threadid() * per_thread,
-                    T, O, nb, ng, gb, nwg, S)
-    finally:
-        free(scratch)
-        free(xs)
-    return 0
+    cdef const uint8_t* ws[2]
+    cdef const float* ss[2]
+    cdef float* ys[2]
+    cdef Py_ssize_t Os[2]
+    ws[0] = &w[0, 0]
+    ss[0] = &s[0, 0]
+    ys[0] = &y[0, 0]
+    Os[0] = w.shape[0]
+    Os[1] = 0
+    return _q4_run(&x[0, 0], x.shape[0], cols, gs, 1, ws, ss, ys, Os)
+
+
+cdef int _q4_pair(const float[:, ::1] x, const unsigned char[:, ::1] w0, const float[:, ::1] s0,
+                  float[:, ::1] y0, const unsigned char[:, ::1] w1, const float[:, ::1] s1,
+                  float[:, ::1] y1, Py_ssize_t cols, Py_ssize_t gs) except -1:
+    cdef const uint8_t* ws[2]
+    cdef const float* ss[2]
+    cdef float* ys[2]
+    cdef Py_ssize_t Os[2]
+    ws[0] = &w0[0, 0]
+    ss[0] = &s0[0, 0]
+    ys[0] = &y0[0, 0]
+    Os[0] = w0.shape[0]
+    ws[1] = &w1[0, 0]
+    ss[1] = &s1[0, 0]
+    ys[1] = &y1[0, 0]
+    Os[1] = w1.shape[0]
+    return _q4_run(&x[0, 0], x.shape[0], cols, gs, 2, ws, ss, ys, Os)
 
 
 # --- int8 -------------------------------------------------------------------------------------
-
-cdef inline void _q8_chunk(const signed char* w, const float* x, float* acc) noexcept nogil:
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        acc[l] = acc[l] + <float>w[l] * x[l]
-
-
-cdef inline void _q8_chunk_f(const float* w, const float* x, float* acc) noexcept nogil:
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        acc[l] = acc[l] + w[l] * x[l]
-
-
-cdef inline void _q8_part(const signed char* w, const float* x, Py_ssize_t m,
-                          float* acc) noexcept nogil:
-    cdef signed char wp[LANES]
-    cdef float xp[LANES]
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        wp[l] = 0
-        xp[l] = 0
-    for l in range(m):
-        wp[l] = w[l]
-        xp[l] = x[l]
-    _q8_chunk(wp, xp, acc)
-
-
-cdef inline void _q8_part_f(const float* w, const float* x, Py_ssize_t m, float* acc) noexcept nogil:
-    cdef float wp[LANES]
-    cdef float xp[LANES]
-    cdef Py_ssize_t l
-    for l in range(LANES):
-        wp[l] = 0
-        xp[l] = 0
-    for l in range(m):
-        wp[l] = w[l]
-        xp[l] = x[l]
-    _q8_chunk_f(wp, xp, acc)
-
-
-cdef inline void _q8_row(const signed char* wr, float scale, const float* x, float* y,
-                         float* buf, Py_ssize_t T, Py_ssize_t O, Py_ssize_t cols) noexcept nogil:
-    """Lane l takes elements j with j % LANES == l, in order; fixed fold; times the scale."""
-    cdef Py_ssize_t t, j, l
-    cdef const float* xr
-    cdef float acc[LANES]
-    if T > 1:
-        for j in range(cols):
-            buf[j] = <float>wr[j]
-    for t in range(T):
-        xr = x + cols * t
-        for l in range(LANES):
-            acc[l] = 0
-        j = 0
-        if T > 1:
-            while j + LANES <= cols:
-                _q8_chunk_f(buf + j, xr + j, acc)
-                j += LANES
-            if j < cols:
-                _q8_part_f(buf + j, xr + j, cols - j, acc)
-        else:
-            while j + LANES <= cols:
-                _q8_chunk(wr + j, xr + j, acc)
-                j += LANES
-            if j < cols:
-                _q8_part(wr + j, xr + j, cols - j, acc)
-        y[t * O] = _fold16(acc) * scale
-
 
 cdef int _q8_impl(const float[:, ::1] x, const signed char[:, ::1] w, const float[::1] s,
                   float[:, ::1] y) except -1:
     cdef Py_ssize_t T = x.shape[0]
     cdef Py_ssize_t O = w.shape[0]
     cdef Py_ssize_t cols = w.shape[1]
-    cdef Py_ssize_t stride = (cols + 15) & ~(<Py_ssize_t>15)
+    cdef int lv = _level
+    cdef Py_ssize_t Lp = _up(cols, coli_q8_block(lv))
     cdef int nt = _threads_for(O)
-    cdef Py_ssize_t o
-    cdef const float* xp = &x[0, 0]
-    cdef const signed char* wp = &w[0, 0]
-    cdef const float* sp = &s[0]
-    cdef float* yp = &y[0, 0]
-    cdef float* bufs = NULL
-    if T > 1:
-        bufs = <float*>malloc(<size_t>(nt * stride) * sizeof(float))
-        if bufs == NULL:
-            raise MemoryError()
+    cdef Py_ssize_t rb = 64
+    cdef Py_ssize_t nblk = (O + rb - 1) // rb
+    cdef Py_ssize_t per = _up(coli_q8_scratch_floats(lv, T, Lp), 16)
+    cdef Py_ssize_t b, r1
+    cdef float* xp = <float*>malloc(<size_t>(T * Lp) * sizeof(float))
+    cdef float* scratch = <float*>malloc(<size_t>(nt * per + 16) * sizeof(float))
+    cdef float* base
+    if xp == NULL or scratch == NULL:
+        free(xp)
+        free(scratch)
+        raise MemoryError()
+    base = scratch + ((64 - (<size_t>scratch) % 64) % 64) // 4
     try:
-        for o in prange(O, nogil=True, num_threads=nt, schedule="static"):
-            _q8_row(wp + o * cols, sp[o], xp, yp + o,
-                    (bufs + threadid() * stride) if T > 1 else NULL, T, O, cols)
+        coli_q8_prep(&x[0, 0], T, cols, Lp, xp)
+        for b in prange(nblk, nogil=True, num_threads=nt, schedule="dynamic"):
+            r1 = b * rb + rb
+            if r1 > O:
+                r1 = O
+            coli_q8_rows(lv, <const int8_t*>&w[0, 0], &s[0], xp, &y[0, 0],
+                         base + threadid() * per, b * rb, r1, T, O, cols, Lp)
     finally:
-        free(bufs)
+        free(scratch)
+        free(xp)
     return 0
 
 
@@ -425,4 +395,56 @@ def q8_matmul(x, w, s, out=None):
         y[...] = 0
         return y
     _q8_impl(x, w, s, y.reshape(T, O))
+    return y
+
+
+def _q4_args(w, s, cols, group_size, rows, name):
+    """Validated (w uint8 [O, ceil(cols/2)], s float32 [O, ceil(cols/gs)]) for an int4 matrix."""
+    w = _as_bytes(w, np.uint8, name)
+    s = np.ascontiguousarray(s, dtype=np.float32)
+    nb = (cols + 1) // 2
+    ng = (cols + group_size - 1) // group_size
+    if w.ndim != 2 or w.shape[1] != nb or (rows is not None and w.shape[0] != rows):
+        want = f"[{rows if rows is not None else 'O'}, {nb}]"
+        raise ValueError(f"{name} must be {want} for cols={cols}, got shape {w.shape}")
+    if s.ndim != 2 or s.shape[0] != w.shape[0] or s.shape[1] != ng:
+        raise ValueError(f"{name} scales must be [{w.shape[0]}, {ng}] for cols={cols}, "
+                         f"group_size={group_size}, got shape {s.shape}")
+    return w, s
+
+
+def expert_swiglu(x, gate_w, gate_s, up_w, up_s, down_w, down_s, int cols_in, int inter,
+                  int group_size, out=None):
+    """One SwiGLU expert on int4 weights: y = down(silu(gate(x)) * up(x)).
+
+    x: float32 [T, cols_in] (or [cols_in] -> [H]); gate_w / up_w: uint8 [inter, ceil(cols_in/2)]
+    with scales [inter, ceil(cols_in/gs)]; down_w: uint8 [H, ceil(inter/2)] with scales
+    [H, ceil(inter/gs)]. Returns float32 [T, H] (or writes ``out``).
+
+    Gate and up run in one parallel pass over x (laid out once); silu(g) = g * (1 / (1 + exp(-g)))
+    in float32 numpy, exactly as core.engine. The result is bit-identical to
+    ``q4_matmul(silu(q4_matmul(x, gate)) * q4_matmul(x, up), down)`` with the same settings.
+    """
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be even and >= 2, got {group_size}")
+    if cols_in <= 0 or inter <= 0:
+        raise ValueError(f"cols_in and inter must be > 0, got {cols_in}, {inter}")
+    x, squeeze = _as_x(x)
+    if x.shape[1] != cols_in:
+        raise ValueError(f"x has {x.shape[1]} columns, expected cols_in={cols_in}")
+    gate_w, gate_s = _q4_args(gate_w, gate_s, cols_in, group_size, inter, "gate_w")
+    up_w, up_s = _q4_args(up_w, up_s, cols_in, group_size, inter, "up_w")
+    down_w, down_s = _q4_args(down_w, down_s, inter, group_size, None, "down_w")
+    T = x.shape[0]
+    H = down_w.shape[0]
+    y = _out(out, T, H, squeeze)
+    if T == 0 or H == 0:
+        return y
+    g = np.empty((T, inter), dtype=np.float32)
+    u = np.empty((T, inter), dtype=np.float32)
+    _q4_pair(x, gate_w, gate_s, g, up_w, up_s, u, cols_in, group_size)
+    with np.errstate(over="ignore"):
+        h = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))
+    h *= u
+    _q4_impl(h, down_w, down_s, y.reshape(T, H), inter, group_size)
     return y

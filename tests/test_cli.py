@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
-from core.errors import ColiError
 from core.sampling import Sampler, SamplingParams
 from tests.conftest import ROOT, tiny_config, write_hf_model
 
