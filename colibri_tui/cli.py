@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="4: int4 experts/attention (default); 8: int8; 16: nothing quantized")
     p.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
 
+    p = sub.add_parser("download", help="download a Hugging Face model (resumable)")
+    p.add_argument("repo", metavar="REPO", help="Hugging Face repo id, e.g. allenai/OLMoE-1B-7B-0924")
+    p.add_argument("--dir", metavar="DIR", default=None, help="where to put it (default: ./REPO-NAME)")
+    p.add_argument("--revision", default=None)
+
     p = sub.add_parser("run", help="generate text (or token ids) from a prompt")
     _add_model(p)
     p.add_argument("prompt", nargs="?", metavar="PROMPT")
@@ -149,6 +154,30 @@ def cmd_convert(args) -> int:
             bar.stop()
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
+    return 0
+
+
+def cmd_download(args) -> int:
+    from core.downloader import download
+    from models import validate_config
+
+    target = Path(args.dir or args.repo.rsplit("/", 1)[-1])
+    progress = bar = None
+    if sys.stderr.isatty():
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                       TimeRemainingColumn(), transient=True)
+        task = bar.add_task("downloading", total=None)
+        bar.start()
+        progress = lambda p: bar.update(task, completed=p.done, total=p.total,  # noqa: E731
+                                        description=f"{p.file} ({p.file_index + 1}/{p.file_count})")
+    try:
+        out = download(args.repo, target, revision=args.revision, progress=progress,
+                       validate_config=validate_config)
+    finally:
+        if bar is not None:
+            bar.stop()
+    print(f"downloaded {args.repo} -> {out}; next: coli convert {out} {out}-coli", file=sys.stderr)
     return 0
 
 
@@ -272,7 +301,7 @@ def _cmd_replay(args) -> int:
     return cmd_replay(args)
 
 
-COMMANDS = {"convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
+COMMANDS = {"download": cmd_download, "convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
             "plan": cmd_plan, "replay": _cmd_replay, "chat": _cmd_chat}
 
 

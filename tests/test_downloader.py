@@ -173,3 +173,12 @@ def test_catalog_numbers_match_the_estimate_and_fit_check():
     assert s.verdict == "stream" and 0 < s.tok_s < 5 and "tok/s" in s.text
     assert fit(big, ".", available_ram=32 * G, free=100 * G).verdict == "no-disk"
     assert fit(big, ".", available_ram=4 * G, free=10**13).verdict == "no-ram"
+
+
+
+def test_coli_download_command(hub, repo_dir, tmp_path):
+    """`coli download` drives the same downloader (and refuses an unknown repo in one line)."""
+    from colibri_tui.cli import main
+    assert main(["download", REPO, "--dir", str(tmp_path / "dl")]) == 0
+    assert all(_same(tmp_path / "dl" / n, repo_dir / n) for n in WANTED)
+    assert main(["download", "nobody/nothing", "--dir", str(tmp_path / "x")]) == 1
