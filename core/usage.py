@@ -155,12 +155,14 @@ def usage_path(model_dir: str | os.PathLike) -> Path:
     """Where a model's history lives: ``.coli_usage`` beside the model when that directory is
     writable (colibrì's place), else under the user data dir, keyed by the model's path."""
     model_dir = Path(model_dir).resolve()
-    if os.access(model_dir, os.W_OK):
+    bundle = getattr(sys, "_MEIPASS", None)      # a one-file binary unpacks to a new temp dir per run
+    bundled = bundle is not None and model_dir.is_relative_to(Path(bundle).resolve())
+    if os.access(model_dir, os.W_OK) and not bundled:
         return model_dir / ".coli_usage"
     import hashlib
 
     import platformdirs
-    key = hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
+    key = "bundled" if bundled else hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
     d = Path(platformdirs.user_data_dir("colibri")) / "usage"
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{model_dir.name}-{key}.coli_usage"
