@@ -45,7 +45,7 @@ def _add_model(p, store=True):
     g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"),
                    help="RAM for routed experts, in GB (default: automatic, or $COLI_RAM_GB)")
     g.add_argument("--cap", type=int, default=None, help="at most N routed experts per layer in RAM")
-    p.add_argument("--policy", default="lru", help="RAM cache policy: lru, lfru or pinned")
+    p.add_argument("--policy", default=None, help="RAM cache policy: lfru (default), lru or pinned")
     p.add_argument("--no-prefetch", action="store_true", help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
 
@@ -60,8 +60,10 @@ def _env_float(name: str):
 
 def _open(args):
     from models import open_model
+    from models import DEFAULT_POLICY
     return open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
-                      policy=args.policy, prefetch=not args.no_prefetch, o_direct=args.o_direct)
+                      policy=args.policy or DEFAULT_POLICY, prefetch=not args.no_prefetch,
+                      o_direct=args.o_direct)
 
 
 def build_parser() -> argparse.ArgumentParser:

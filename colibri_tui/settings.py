@@ -75,7 +75,7 @@ class Sampling:
 class Settings:
     model: str = ""                 # container directory; "" = the embedded demo model
     ram_gb: float | None = None     # expert RAM budget in GB; None = automatic
-    policy: str = "lru"
+    policy: str = "lfru"
     prefetch: bool = True
     threads: int | None = None      # None = all cores
     o_direct: bool = False

@@ -120,6 +120,7 @@ class TraceWriter:
             f.flush()
             os.fsync(f.fileno())
             f.close()
+            os.chmod(self._tmp, 0o644)          # mkstemp makes it private; a trace is shareable
             os.replace(self._tmp, self.path)
         except OSError as e:
             f.close()

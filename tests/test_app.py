@@ -284,7 +284,7 @@ def test_settings_roundtrip_and_env_overrides(dirs, monkeypatch):
     from colibri_tui import settings as S
 
     s = S.load()
-    assert s.policy == "lru" and s.ram_gb is None and s.prefetch
+    assert s.policy == "lfru" and s.ram_gb is None and s.prefetch
     s.ram_gb, s.policy, s.o_direct, s.threads = 3.5, "lfru", True, 2
     s.sampling.temperature = 0.2
     path = S.save(s)
@@ -300,7 +300,7 @@ def test_settings_roundtrip_and_env_overrides(dirs, monkeypatch):
     monkeypatch.delenv("COLI_MODEL")
     assert S.load().ram_gb == 3.5 and S.load().model == ""
     path.write_text("not = [valid")
-    assert S.load().policy == "lru"             # a broken file gives the defaults, not a crash
+    assert S.load().policy == "lfru"            # a broken file gives the defaults, not a crash
 
 
 def test_chat_management_and_palette(container, dirs):
