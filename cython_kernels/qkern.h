@@ -577,9 +577,10 @@ COLI_T_AVX2 COLI_INLINE __m256 coli_q4i8_blk_avx2(const uint8_t *b, const int8_t
     return _mm256_cvtepi32_ps(p);
 }
 
-COLI_T_AVX2 static float coli_q4i8_row_avx2(const uint8_t *w, const float *s, const int8_t *xq,
-                                            const float *xd, const int32_t *xc, coli_idx nb,
-                                            coli_idx ng, coli_idx gs)
+COLI_T_AVX2 COLI_INLINE float coli_q4i8_row_avx2_g(const uint8_t *w, const float *s,
+                                                   const int8_t *xq, const float *xd,
+                                                   const int32_t *xc, coli_idx nb, coli_idx ng,
+                                                   coli_idx gs)
 {
     coli_idx gb = gs / 2, g, k, nbk = gs / 64;
     __m256 acc[2];
@@ -613,6 +614,17 @@ COLI_T_AVX2 static float coli_q4i8_row_avx2(const uint8_t *w, const float *s, co
         acc[g & 1] = _mm256_fmadd_ps(ga, _mm256_set1_ps(s[g]), acc[g & 1]);
     }
     return coli_hsum256(_mm256_add_ps(acc[0], acc[1]));
+}
+
+COLI_T_AVX2 static float coli_q4i8_row_avx2(const uint8_t *w, const float *s, const int8_t *xq,
+                                            const float *xd, const int32_t *xc, coli_idx nb,
+                                            coli_idx ng, coli_idx gs)
+{
+    switch (gs) {   /* the common group sizes as compile-time constants */
+    case 64: return coli_q4i8_row_avx2_g(w, s, xq, xd, xc, nb, ng, 64);
+    case 128: return coli_q4i8_row_avx2_g(w, s, xq, xd, xc, nb, ng, 128);
+    default: return coli_q4i8_row_avx2_g(w, s, xq, xd, xc, nb, ng, gs);
+    }
 }
 #endif
 
