@@ -35,6 +35,25 @@ def tiny_config(model_type: str = "qwen3_moe", **over) -> dict:
     return cfg
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tokenizer_files(d: Path, vocab: int = 300) -> int:
+    """A real byte-level BPE tokenizer (trained here) with a ChatML template in ``d``; returns
+    its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, ciao mondo, the quick brown fox"] * 20, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    return tok.get_vocab_size()
+
+
 def tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random weights with the Hugging Face names of the supported families."""
     rng = np.random.default_rng(seed)

@@ -307,30 +307,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 # --- a tiny real model to serve --------------------------------------------------------------
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def _tokenizer_files(d: Path, vocab: int) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, ciao mondo, the quick brown fox"] * 20, trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    return tok.get_vocab_size()
-
-
 def build_tiny_repo(directory: Path, shards: int = 2, **config) -> Path:
     """A tiny real Hugging Face-format MoE checkpoint (tokenizer, sharded safetensors, index) plus a
     README and a .bin file that the downloader must skip."""
-    from tests.conftest import tiny_config, write_hf_model
+    from tests.conftest import tiny_config, tokenizer_files, write_hf_model
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vocab = _tokenizer_files(directory, 300)
+    vocab = tokenizer_files(directory, 300)
     write_hf_model(directory, tiny_config(vocab_size=vocab, **config), shards=shards)
     (directory / "README.md").write_text("# tiny\n")
     (directory / "pytorch_model.bin").write_bytes(b"\0" * 1000)

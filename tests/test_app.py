@@ -7,26 +7,9 @@ import time
 
 import pytest
 
-from tests.conftest import tiny_config, write_hf_model
+from tests.conftest import tiny_config, tokenizer_files, write_hf_model
 
 pytest.importorskip("textual")
-
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def _tokenizer_files(d, vocab):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, ciao mondo, the quick brown fox"] * 20, trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    return tok.get_vocab_size()
-
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
@@ -35,7 +18,7 @@ def container(tmp_path_factory):
     d = tmp_path_factory.mktemp("app")
     src = d / "src"
     src.mkdir()
-    vocab = _tokenizer_files(src, 300)
+    vocab = tokenizer_files(src, 300)
     write_hf_model(src, tiny_config(vocab_size=vocab, num_hidden_layers=3, num_experts=8))
     # no reachable eos: replies run until max_new_tokens or Esc
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab + 50}))

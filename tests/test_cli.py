@@ -5,14 +5,9 @@ import sys
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 
 from core.sampling import Sampler, SamplingParams
-from tests.conftest import ROOT, tiny_config, write_hf_model
-
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
+from tests.conftest import ROOT, tiny_config, tokenizer_files, write_hf_model
 
 def coli(*args, check_rc=None):
     r = subprocess.run([sys.executable, "-m", "colibri_tui", *map(str, args)], cwd=ROOT,
@@ -22,25 +17,12 @@ def coli(*args, check_rc=None):
     return r
 
 
-def _tokenizer_files(d, vocab):
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, ciao mondo, the quick brown fox"] * 20, trainer)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}))
-    return tok.get_vocab_size()
-
-
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     src = d / "src"
     src.mkdir()
-    vocab = _tokenizer_files(src, 300)
+    vocab = tokenizer_files(src, 300)
     write_hf_model(src, tiny_config(vocab_size=vocab))
     coli("convert", src, d / "c", check_rc=0)
     return d / "c"

@@ -24,11 +24,11 @@ if [ -z "$MODEL" ]; then
 import json, sys
 from pathlib import Path
 from tests.conftest import tiny_config, write_hf_model
-from tests.test_app import _tokenizer_files
+from tests.conftest import tokenizer_files
 from core.converter import convert
 from models import validate_config
 d = Path(sys.argv[1]); src = d / "src"; src.mkdir()
-vocab = _tokenizer_files(src, 300)
+vocab = tokenizer_files(src, 300)
 write_hf_model(src, tiny_config(vocab_size=vocab, num_hidden_layers=4, num_experts=16))
 convert(src, d / "model", bits=4, validate_config=validate_config)
 EOF
