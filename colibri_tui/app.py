@@ -20,7 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, ListItem, ListView, Static
 
 from . import settings as settings_mod
-from .chatview import AssistantMessage, MessageList, PromptInput, UserMessage
+from .chatview import AssistantMessage, MessageList, PromptInput, UserMessage, code_blocks
 from .history import History, export_path, title_from
 from .screens import ChatSettingsScreen, ConfirmScreen, MessageScreen, SettingsScreen, TextPrompt
 from .settings import Settings
@@ -88,6 +88,9 @@ class ChatScreen(Screen):
         Binding("f6", "app.rename_chat", "Rename", priority=True),
         Binding("f7", "app.export_chat", "Export", priority=True),
         Binding("f8", "app.delete_chat", "Delete", priority=True),
+        # select a message to copy it (c) or its code blocks (y): see chatview.SelectableMessage
+        Binding("alt+up", "app.select_message(-1)", "Select message", show=False, priority=True),
+        Binding("alt+down", "app.select_message(1)", "Select message", show=False, priority=True),
     ]
     DEFAULT_CSS = """
     #chats { width: 30; border-right: tall $primary 40%; }
@@ -308,7 +311,9 @@ class ColiApp(App):
             self.gen.widget = None
         if not widgets:
             widgets.append(Static("Say something. Enter sends · Shift+Enter / Ctrl+J newline · "
-                                  "Esc stops · F2 tier panel · Ctrl+P commands", id="empty"))
+                                  "Esc stops · F2 tier panel · Ctrl+P commands · "
+                                  "Alt+↑/↓ or a click selects a message: c copies it, y its code",
+                                  id="empty"))
         await view.mount_all(widgets)
         view.scroll_end(animate=False)
         chat = self.history.get(chat_id)
@@ -427,15 +432,52 @@ class ColiApp(App):
         self.notify("last reply copied")
 
     def action_copy_code(self) -> None:
-        import re
         msgs = self.history.messages(self.chat_id) if self.chat_id else []
         for m in reversed(msgs):
-            blocks = re.findall(r"```[^\n]*\n(.*?)```", m.content, re.S)
-            if m.role == "assistant" and blocks:
+            blocks = code_blocks(m.content) if m.role == "assistant" else []
+            if blocks:
                 self.copy_to_clipboard(blocks[-1])
                 self.notify("code block copied")
                 return
         self.notify("no code block to copy", severity="warning")
+
+    # --- selecting messages (to copy them) ---------------------------------------------------
+    def chat_messages(self) -> list[UserMessage | AssistantMessage]:
+        return [w for w in self.messages_view.children if isinstance(w, (UserMessage, AssistantMessage))]
+
+    def selected_message(self) -> UserMessage | AssistantMessage | None:
+        """The message that has the focus on the chat screen, if any."""
+        if not self.screen_stack:
+            return None
+        focused = self.screen_stack[0].focused
+        return focused if isinstance(focused, (UserMessage, AssistantMessage)) else None
+
+    def action_select_message(self, delta: int) -> None:
+        """Move the selection ``delta`` messages up (<0) or down (>0). From the prompt, up selects
+        the last message; down past the last message gives the focus back to the prompt."""
+        items = self.chat_messages()
+        current = self.selected_message()
+        if current in items:
+            i = items.index(current) + delta
+        elif delta < 0 and items:
+            i = len(items) - 1
+        else:
+            return
+        if i >= len(items):
+            self.focus_prompt()
+            return
+        view = self.messages_view
+        view.release_anchor()                # a reply streaming meanwhile must not scroll away
+        target = items[max(i, 0)]
+        target.focus(scroll_visible=False)
+        view.scroll_to_widget(target, animate=False, top=target.outer_size.height > view.size.height)
+
+    def action_focus_prompt(self) -> None:
+        self.focus_prompt()
+
+    def focus_prompt(self) -> None:
+        self.prompt_input.focus()
+        self.messages_view.scroll_end(animate=False)     # and follow the bottom again
 
     def watch_theme(self, theme: str) -> None:
         """The palette's theme switcher: remember the choice."""
@@ -467,6 +509,9 @@ class ColiApp(App):
                             self.action_copy_reply)
         yield SystemCommand("Copy last code block", "Copy the last code block of a reply to the clipboard",
                             self.action_copy_code)
+        yield SystemCommand("Select a message", "Alt+↑/Alt+↓ (or a click) selects a message: c copies it, "
+                            "y copies its code blocks in turn, Esc goes back to the prompt",
+                            lambda: self.action_select_message(-1))
 
     # --- sending and streaming -----------------------------------------------------------------
     @on(PromptInput.Submitted)

@@ -1,10 +1,18 @@
 """Chat widgets: the message list, a streaming assistant reply (Markdown, collapsible thinking)
-and the prompt editor (Enter sends, Shift+Enter / Ctrl+J / Alt+Enter add a newline)."""
+and the prompt editor (Enter sends, Shift+Enter / Ctrl+J / Alt+Enter add a newline).
+
+Every message can be selected (click it, or Alt+Up / Alt+Down from anywhere in the chat): the
+selected message has the focus, so its keys never reach the prompt. c (or Ctrl+C when no text is
+selected with the mouse) copies the message, y copies its code blocks one after another."""
 from __future__ import annotations
+
+import re
 
 from rich.text import Text
 from textual import events
+from textual.actions import SkipAction
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static, TextArea
@@ -33,9 +41,70 @@ def split_think(text: str) -> tuple[str | None, str, bool]:
     return body[:end].strip("\n"), body[end + len(THINK_CLOSE):].lstrip("\n"), False
 
 
-class UserMessage(Static):
+# a fenced code block (``` or ~~~, up to 3 spaces of indent); an unclosed one runs to the end
+_FENCE = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})[^\n]*\n(?P<code>.*?)(?:^ {0,3}(?P=fence)[`~]*[ \t]*$|\Z)",
+                    re.M | re.S)
+
+
+def code_blocks(text: str) -> list[str]:
+    """The contents of the fenced code blocks in ``text``, in order (without the fences)."""
+    out = []
+    for m in _FENCE.finditer(text):
+        code = m.group("code")
+        out.append(code[:-1] if code.endswith("\n") else code)
+    return out
+
+
+# keys of a selected (focused) message; the prompt never sees them
+MESSAGE_BINDINGS = [
+    Binding("c", "copy_message", "Copy"),
+    Binding("ctrl+c", "copy_message_or_selection", "Copy", show=False),
+    Binding("y", "copy_code", "Copy code"),
+    Binding("up,k", "app.select_message(-1)", "Previous", show=False),
+    Binding("down,j", "app.select_message(1)", "Next", show=False),
+    Binding("escape", "app.focus_prompt", "Back"),      # a second Esc stops a reply
+]
+
+
+class SelectableMessage:
+    """Copy actions shared by the user and assistant messages (both focusable)."""
+
+    _code_index = 0
+    kind = "message"
+
+    def copy_text(self) -> str:
+        return self.content
+
+    def action_copy_message(self) -> None:
+        text = self.copy_text()
+        if not text.strip():
+            self.app.notify(f"this {self.kind} is empty", severity="warning")
+            return
+        self.app.copy_to_clipboard(text)
+        self.app.notify(f"{self.kind} copied")
+
+    def action_copy_message_or_selection(self) -> None:
+        if self.screen.get_selected_text():
+            raise SkipAction()           # text selected with the mouse: the screen's Ctrl+C copies it
+        self.action_copy_message()
+
+    def action_copy_code(self) -> None:
+        """Copy the next code block (the first, then the second, …, then the first again)."""
+        blocks = code_blocks(self.copy_text())
+        if not blocks:
+            self.app.notify(f"no code block in this {self.kind}", severity="warning")
+            return
+        i = self._code_index % len(blocks)
+        self._code_index = i + 1
+        self.app.copy_to_clipboard(blocks[i])
+        self.app.notify("code block copied" if len(blocks) == 1 else f"code block {i + 1}/{len(blocks)} copied")
+
+
+class UserMessage(SelectableMessage, Static, can_focus=True):
+    BINDINGS = MESSAGE_BINDINGS
     DEFAULT_CSS = """
     UserMessage { background: $boost; border-left: thick $accent; padding: 0 1; margin: 1 0 0 0; }
+    UserMessage:focus { background: $accent 25%; border-left: thick $warning; }
     """
 
     def __init__(self, content: str, **kw):
@@ -43,9 +112,12 @@ class UserMessage(Static):
         self.content = content
 
 
-class AssistantMessage(Vertical):
+class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
+    BINDINGS = MESSAGE_BINDINGS
+    kind = "reply"
     DEFAULT_CSS = """
     AssistantMessage { height: auto; margin: 1 0 0 0; padding: 0 1; border-left: thick $success 50%; }
+    AssistantMessage:focus { background: $accent 15%; border-left: thick $warning; }
     AssistantMessage .meta { color: $text-muted; height: auto; }
     AssistantMessage Markdown { margin: 0; padding: 0; }
     AssistantMessage Collapsible { margin: 0; padding: 0; border: none; }
@@ -70,6 +142,12 @@ class AssistantMessage(Vertical):
         self._sent = answer
         yield Markdown(answer)
         yield Label(self._meta, classes="meta")
+
+    def copy_text(self) -> str:
+        """The answer as written (Markdown source), without the thinking; the thinking while
+        there is no answer yet."""
+        thinking, answer, _ = split_think(self.content)
+        return answer if answer.strip() or thinking is None else thinking
 
     @property
     def markdown(self) -> Markdown:

@@ -373,3 +373,76 @@ def test_runner_batches_and_backs_off():
     posts.clear()
     out = run_generation(FakeEngine(), [], None, 10**6, posts.append, cancelled=lambda: True)
     assert out["reason"] == "cancelled" and len(out["text"]) < 5
+
+
+def test_code_blocks_are_found():
+    from colibri_tui.chatview import code_blocks
+
+    text = ("intro\n```python\nprint(1)\n```\nmid ``inline``\n  ~~~\nx = 2\ny = 3\n  ~~~~\n"
+            "````md\n```\nnested\n```\n````\n```\nstill streaming")
+    assert code_blocks(text) == ["print(1)", "x = 2\ny = 3", "```\nnested\n```", "still streaming"]
+    assert code_blocks("no code here") == [] and code_blocks("```\n```") == [""]
+
+
+def test_select_and_copy_any_message_or_code_block(container, dirs):
+    from colibri_tui.chatview import AssistantMessage, UserMessage
+
+    first_reply = ("<think>private musing</think>\n\nTwo ways:\n\n```python\nprint(1)\n```\n\n"
+                   "or\n\n~~~sh\necho two\n~~~\n")
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            chat = app.history.new_chat(sampling=app.settings.sampling)
+            for role, text in (("user", "first question"), ("assistant", first_reply),
+                               ("user", "second question"), ("assistant", "last answer, no code")):
+                app.history.add_message(chat.id, role, text)
+            await app.show_chat(chat.id)
+            await pilot.pause()
+            copied, notes = [], []
+            app.copy_to_clipboard = copied.append
+            orig_notify = app.notify
+            app.notify = lambda msg, **kw: (notes.append(msg), orig_notify(msg, **kw))[1]
+            items = app.chat_messages()
+            assert [type(w) for w in items] == [UserMessage, AssistantMessage] * 2
+            assert app.focused is app.prompt_input
+            # from the prompt, Alt+Up selects the last message, then older ones
+            await pilot.press("alt+up")
+            assert app.focused is items[3]
+            await pilot.press("alt+up", "alt+up")
+            assert app.focused is items[1] and app.selected_message() is items[1]
+            assert {"c", "y"} <= set(app.screen.active_bindings)        # shown in the footer
+            await pilot.press("c")                                      # an older reply, not the last
+            assert copied == [first_reply.split("</think>\n\n", 1)[1]] and notes[-1] == "reply copied"
+            assert "private musing" not in copied[-1]
+            await pilot.press("y", "y", "y")                            # its code blocks, cycling
+            assert copied[1:] == ["print(1)", "echo two", "print(1)"]
+            assert notes[-3:] == ["code block 1/2 copied", "code block 2/2 copied", "code block 1/2 copied"]
+            await pilot.press("up", "c")                                # plain Up moves too
+            assert app.focused is items[0] and copied[-1] == "first question"
+            await pilot.press("y")
+            assert len(copied) == 5 and "no code block" in notes[-1]
+            await pilot.press("down", "down", "ctrl+c")                # Ctrl+C: the message too
+            assert app.focused is items[2] and copied[-1] == "second question"
+            assert app.prompt_input.text == "" and app.gen is None     # nothing reached the prompt
+            # Esc goes back to the prompt, where c and y are typed as usual
+            await pilot.press("escape")
+            assert app.focused is app.prompt_input
+            await pilot.press("c", "y")
+            assert app.prompt_input.text == "cy" and len(copied) == 6
+            # a click selects a message; Alt+Down past the last one returns to the prompt
+            await pilot.click(items[2])
+            assert app.focused is items[2]
+            await pilot.press("c")
+            assert copied[-1] == "second question"
+            await pilot.press("alt+down", "c")
+            assert app.focused is items[3] and copied[-1] == "last answer, no code"
+            await pilot.press("alt+down")
+            assert app.focused is app.prompt_input
+            await pilot.press("x")
+            assert app.prompt_input.text == "cyx" and len(copied) == 8
+            # the palette's "last code block" still finds the older reply's last block
+            app.action_copy_code()
+            assert copied[-1] == "echo two"
+    asyncio.run(run())

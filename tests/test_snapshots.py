@@ -76,6 +76,8 @@ async def steady(pilot, timeout=10.0):
     for screen in pilot.app.screen_stack:
         for w in screen.query("Input, TextArea"):
             w.cursor_blink = False
+    # no focus, so no cursor: whether a cursor cell is drawn would otherwise race the last refresh
+    pilot.app.set_focus(None)
     await pilot.wait_for_scheduled_animations()
     t0, last = time.monotonic(), None
     while time.monotonic() - t0 < timeout:
