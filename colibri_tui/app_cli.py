@@ -6,18 +6,9 @@ Command-line flags beat the config file (``settings.toml``), which the environme
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from core.errors import ColiError
-
-
-def _env_float(name: str):
-    v = os.environ.get(name)
-    try:
-        return float(v) if v else None
-    except ValueError:
-        return None
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:

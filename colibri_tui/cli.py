@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -134,26 +135,32 @@ def _need_model(args) -> str:
     return str(demo)
 
 
+@contextlib.contextmanager
+def _progress_bar(label: str, update):
+    """A rich progress bar on a terminal: yields a callback for the long job (None elsewhere).
+    ``update(event) -> (done, total, description)`` reads the job's progress events."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+
+        def report(event) -> None:
+            done, total, description = update(event)
+            bar.update(task, completed=done, total=total, description=description)
+        yield report
+
+
 def cmd_convert(args) -> int:
     from core.converter import convert
     from models import validate_config
 
-    progress = bar = None
-    if sys.stderr.isatty():
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                       TimeRemainingColumn(), transient=True)
-        task = bar.add_task("converting", total=None)
-        bar.start()
-
-        progress = lambda p: bar.update(task, completed=p.done_bytes, total=p.total_bytes,  # noqa: E731
-                                        description=f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")
-    try:
+    with _progress_bar("converting", lambda p: (p.done_bytes, p.total_bytes,
+                                                f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")) as progress:
         out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size,
                       validate_config=validate_config, progress=progress)
-    finally:
-        if bar is not None:
-            bar.stop()
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
     return 0
@@ -164,21 +171,10 @@ def cmd_download(args) -> int:
     from models import validate_config
 
     target = Path(args.dir or args.repo.rsplit("/", 1)[-1])
-    progress = bar = None
-    if sys.stderr.isatty():
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                       TimeRemainingColumn(), transient=True)
-        task = bar.add_task("downloading", total=None)
-        bar.start()
-        progress = lambda p: bar.update(task, completed=p.done, total=p.total,  # noqa: E731
-                                        description=f"{p.file} ({p.file_index + 1}/{p.file_count})")
-    try:
+    with _progress_bar("downloading", lambda p: (p.done, p.total,
+                                                 f"{p.file} ({p.file_index + 1}/{p.file_count})")) as progress:
         out = download(args.repo, target, revision=args.revision, progress=progress,
                        validate_config=validate_config)
-    finally:
-        if bar is not None:
-            bar.stop()
     print(f"downloaded {args.repo} -> {out}; next: coli convert {out} {out}-coli", file=sys.stderr)
     return 0
 
