@@ -58,12 +58,8 @@ class Sampling:
         return s
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top-p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top-k must be >= 0")
+        from core.sampling import check_sampling
+        check_sampling(self.temperature, self.top_k, self.top_p)
         if self.max_new_tokens < 1:
             raise ValueError("max new tokens must be >= 1")
 

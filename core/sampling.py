@@ -3,7 +3,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError for settings no sampler accepts (numpy-free, so the UI can validate too)."""
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError("top-p must be in (0, 1]")
+    if top_k < 0:
+        raise ValueError("top-k must be >= 0")
 
 
 @dataclass
@@ -15,12 +28,7 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top-p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top-k must be >= 0")
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def is_greedy(self) -> bool:
@@ -30,9 +38,11 @@ class SamplingParams:
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
+        import numpy as np          # here, not at import: the UI validates settings through this module
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        import numpy as np
         p = self.params
         if p.is_greedy:
             return int(np.argmax(logits))
