@@ -164,7 +164,8 @@ class Engine:
     # --- the forward pass ----------------------------------------------------------------------
     def _attention(self, i: int, L: _Layer, h, cos, sin, cache: KVCache, pos: np.ndarray):
         s, T = self.spec, h.shape[0]
-        q, k, v = _linear(h, L.q, L.q_bias), _linear(h, L.k, L.k_bias), _linear(h, L.v, L.v_bias)
+        q, k, v = kernels.matmul_many(h, [L.q, L.k, L.v])       # one pass over x for all three
+        q, k, v = (y + b if b is not None else y for y, b in ((q, L.q_bias), (k, L.k_bias), (v, L.v_bias)))
         if s.qk_norm == "full":
             q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
         if s.clip_qkv is not None:
@@ -226,11 +227,19 @@ class Engine:
             for p, row in zip(pos.tolist(), top.tolist()):
                 self.trace.record(p, i, row)
         contrib = np.zeros((h.shape[0], top.shape[1], h.shape[1]), np.float32)
-        # Each unique expert of the batch is fetched once; results land in fixed (token, rank)
-        # slots and are summed in rank order, so arrival order cannot change the output.
-        for e, ffn in self.store.request(i, used.tolist()):
-            rows, ranks = np.nonzero(top == e)
-            contrib[rows, ranks] = expert_ffn(h[rows], ffn) * weights[rows, ranks][:, None]
+        # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
+        # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
+        # slots and are summed in rank order, so arrival and grouping cannot change the output.
+        for batch in self.store.request_batches(i, used.tolist()):
+            picks = [np.nonzero(top == e) for e, _ in batch]
+            rows = np.concatenate([r for r, _ in picks])
+            ranks = np.concatenate([k for _, k in picks])
+            spans, at = [], 0
+            for r, _ in picks:
+                spans.append((at, len(r)))
+                at += len(r)
+            y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], spans)
+            contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         out = contrib[:, 0]
         for r in range(1, top.shape[1]):
             out = out + contrib[:, r]

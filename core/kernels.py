@@ -78,3 +78,55 @@ def vector(w: Weight) -> np.ndarray:
     if w.scheme != "dense":
         raise ValueError("expected an unquantized vector")
     return w.data.astype(np.float32, copy=False)
+
+
+
+def _same_int4(ws: list[Weight]) -> bool:
+    """All int4 with one column count and group size: one compiled pass can run them."""
+    w0 = ws[0]
+    return _compiled is not None and all(
+        w.scheme == "int4" and w.shape[1] == w0.shape[1] and w.group_size == w0.group_size for w in ws)
+
+
+def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | None = None,
+                outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """[x[t0:t0+n] @ W.T for each W] (rows: (t0, n) per matrix, default all of x; outs: arrays to
+    write into). Int4 matrices sharing a shape run as one parallel pass -- one OpenMP region
+    instead of one per matrix -- with the same bits as separate ``matmul`` calls."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows = rows or [(0, x.shape[0])] * len(ws)
+    if ws and _same_int4(ws):
+        w0 = ws[0]
+        return _compiled.q4_matmul_many(x, [(w.data, w.scales) for w in ws], w0.shape[1],
+                                        w0.group_size, rows, outs)
+    res = [matmul(x[t0: t0 + n], w) for w, (t0, n) in zip(ws, rows)]
+    if outs is not None:
+        for o, r in zip(outs, res):
+            o[...] = r
+        return outs
+    return res
+
+
+def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.ndarray:
+    """down(silu(gate(x_e)) * up(x_e)) for each expert e over its rows x[t0:t0+n], stacked in
+    expert order ([sum n, H]): gate and up of every expert in one pass, silu once over all of
+    them, then every down in one pass. Per row the same operations as ``expert_ffn``."""
+    n = sum(r[1] for r in rows)
+    inter = ffns[0].gate.shape[0] if ffns else 0
+    g = np.empty((n, inter), np.float32)
+    u = np.empty((n, inter), np.float32)
+    at, outs, hrows = 0, [], []
+    for f, (_, k) in zip(ffns, rows):
+        outs += [g[at: at + k], u[at: at + k]]
+        hrows.append((at, k))
+        at += k
+    matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)], outs)
+    with np.errstate(over="ignore"):
+        h = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g))) * u
+    y = np.empty((n, ffns[0].down.shape[0] if ffns else 0), np.float32)
+    at, outs = 0, []
+    for _, k in hrows:
+        outs.append(y[at: at + k])
+        at += k
+    matmul_many(h, [f.down for f in ffns], hrows, outs)
+    return y

@@ -35,6 +35,12 @@ class ExpertStore:
     def request(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, ExpertFFN]]:
         raise NotImplementedError
 
+    def request_batches(self, layer: int, expert_ids: Iterable[int]) -> Iterator[list[tuple[int, ExpertFFN]]]:
+        """The same experts as request(), grouped: each list holds what is ready at that moment
+        (computed in one pass by the caller). Stores may override; the default yields one by one."""
+        for item in self.request(layer, expert_ids):
+            yield [item]
+
     def prefetch(self, layer: int, expert_ids: Iterable[int]) -> None:
         """A hint; stores without a slower tier ignore it."""
 

@@ -192,6 +192,16 @@ class TieredStore(ExpertStore):
         return (layer, expert) in self.container.experts
 
     def request(self, layer, expert_ids):
+        for batch in self._serve(layer, expert_ids, together=False):
+            yield batch[0]
+
+    def request_batches(self, layer, expert_ids):
+        """Like request(), but each step yields every expert that is ready at that moment (all
+        the hits first, then misses as their reads complete), so the caller can compute them in
+        one pass; they are consumed when the caller asks for the next batch."""
+        return self._serve(layer, expert_ids, together=True)
+
+    def _serve(self, layer, expert_ids, together: bool):
         L = self.layers[layer]
         ids = list(dict.fromkeys(int(e) for e in expert_ids))
         self.policy.step(layer)
@@ -227,12 +237,14 @@ class TieredStore(ExpertStore):
                 st["disk_wait_s"] += time.perf_counter() - t0
                 launch()
                 continue
-            for e in ready:
-                self.policy.touch(layer, e)
-                yield e, self._ready(L.slots[L.where[e]])
-                remaining.remove(e)
-                protected.discard(e)      # consumed: its slot may serve the rest of this request
-                launch()
+            for part in ([ready] if together else [[e] for e in ready]):
+                for e in part:
+                    self.policy.touch(layer, e)
+                yield [(e, self._ready(L.slots[L.where[e]])) for e in part]
+                for e in part:
+                    remaining.remove(e)
+                    protected.discard(e)  # consumed: its slot may serve the rest of this request
+                    launch()
 
     def prefetch(self, layer, expert_ids):
         if not self.prefetch_enabled or layer not in self.layers:

@@ -154,103 +154,140 @@ cdef inline Py_ssize_t _up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
 
 # --- int4 -------------------------------------------------------------------------------------
 
-cdef int _q4_run(const float* x, Py_ssize_t T, Py_ssize_t cols, Py_ssize_t gs, int nmat,
-                 const uint8_t** ws, const float** ss, float** ys, Py_ssize_t* Os) except -1:
-    """y_m = x @ dequant(W_m).T for nmat (1 or 2) int4 matrices with the same cols / group size
-    (gate and up of an expert share one pass: x is laid out once, one parallel loop)."""
+cdef inline Py_ssize_t _owner(const Py_ssize_t* bstart, int nmat, Py_ssize_t b) noexcept nogil:
+    """The matrix whose row blocks include global block b (bstart: first block of each)."""
+    cdef int m = nmat - 1
+    while bstart[m] > b:
+        m -= 1
+    return m
+
+
+cdef int _q4_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, int nmat,
+                 const uint8_t** ws, const float** ss, float** ys, Py_ssize_t* Os,
+                 const Py_ssize_t* t0s, const Py_ssize_t* Ts) except -1:
+    """y_m = x[t0s[m] : t0s[m] + Ts[m]] @ dequant(W_m).T for nmat int4 matrices with the same cols
+    and group size: x (Tx rows) is laid out once and one parallel loop runs over the row blocks of
+    every matrix (gate and up of an expert, q/k/v of a layer, or all the experts of a MoE layer).
+    Each output row is computed by exactly the code a single-matrix call runs: grouping never
+    changes the bits."""
     cdef Py_ssize_t nb = (cols + 1) // 2
     cdef Py_ssize_t ng = (cols + gs - 1) // gs
     cdef Py_ssize_t L = ng * gs
     cdef int lv = coli_q4_level(_level, gs)
     cdef int cb = coli_q4_cb(_level, gs)
-    cdef int nt = _threads_for(Os[0] + (Os[1] if nmat == 2 else 0))
-    # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the token
-    # blocks stream over it; decode uses blocks only to amortize the call
-    cdef Py_ssize_t rb = 64 if T == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
-    cdef Py_ssize_t nb0 = (Os[0] + rb - 1) // rb
-    cdef Py_ssize_t nblk = nb0 + ((Os[1] + rb - 1) // rb if nmat == 2 else 0)
-    cdef Py_ssize_t per = _up(coli_q4_scratch_floats(lv, T, rb, L), 16)   # floats per thread
-    cdef Py_ssize_t b, r0, r1, O
-    cdef int m
+    cdef Py_ssize_t b, r0, r1, O, T, nblk = 0, rows = 0, tmax = 1, per, gst = coli_q4_gstride(gs)
+    cdef Py_ssize_t rbm
+    cdef int m, nt
+    cdef Py_ssize_t* bstart = <Py_ssize_t*>malloc(<size_t>(2 * nmat + 1) * sizeof(Py_ssize_t))
+    if bstart == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t* rb = bstart + nmat
+    for m in range(nmat):
+        # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the
+        # token blocks stream over it; decode uses blocks only to amortize the call
+        rb[m] = 64 if Ts[m] == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+        bstart[m] = nblk
+        nblk += (Os[m] + rb[m] - 1) // rb[m] if Ts[m] > 0 else 0
+        rows += Os[m]
+        tmax = max(tmax, Ts[m])
+    bstart[2 * nmat] = nblk
+    nt = _threads_for(rows)
     if _int8_act and coli_q4i8_ok(_level, gs):
-        return _q4i8_run(x, T, cols, gs, nmat, ws, ss, ys, Os, nt)
-    cdef float* xp = <float*>malloc(<size_t>(T * L) * sizeof(float))
-    cdef float* gi = <float*>malloc(<size_t>(T * ng * coli_q4_gstride(gs)) * sizeof(float))
+        try:
+            return _q4i8_run(x, Tx, cols, gs, nmat, ws, ss, ys, Os, t0s, Ts, nt)
+        finally:
+            free(bstart)
+    rbm = 64 if tmax == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+    per = _up(coli_q4_scratch_floats(lv, tmax, rbm, L), 16)   # floats per thread
+    cdef float* xp = <float*>malloc(<size_t>(Tx * L) * sizeof(float))
+    cdef float* gi = <float*>malloc(<size_t>(Tx * ng * gst) * sizeof(float))
     cdef float* scratch = <float*>malloc(<size_t>(nt * per + 16) * sizeof(float))
     cdef float* base
     if xp == NULL or gi == NULL or scratch == NULL:
         free(xp)
         free(gi)
         free(scratch)
+        free(bstart)
         raise MemoryError()
     base = scratch + ((64 - (<size_t>scratch) % 64) % 64) // 4
     try:
-        coli_q4_prep(cb, x, T, cols, gs, ng, xp, gi)
+        coli_q4_prep(cb, x, Tx, cols, gs, ng, xp, gi)
         for b in prange(nblk, nogil=True, num_threads=nt, schedule="dynamic"):
-            m = 0 if b < nb0 else 1
-            r0 = (b if m == 0 else b - nb0) * rb
+            m = <int>_owner(bstart, nmat, b)
+            r0 = (b - bstart[m]) * rb[m]
             O = Os[m]
-            r1 = r0 + rb
+            T = Ts[m]
+            r1 = r0 + rb[m]
             if r1 > O:
                 r1 = O
-            coli_q4_rows(lv, ws[m], ss[m], xp, gi, ys[m], base + threadid() * per,
-                         r0, r1, T, O, nb, ng, gs)
+            coli_q4_rows(lv, ws[m], ss[m], xp + t0s[m] * L, gi + t0s[m] * ng * gst, ys[m],
+                         base + threadid() * per, r0, r1, T, O, nb, ng, gs)
     finally:
         free(scratch)
         free(gi)
         free(xp)
+        free(bstart)
     return 0
 
 
-cdef int _q4i8_run(const float* x, Py_ssize_t T, Py_ssize_t cols, Py_ssize_t gs, int nmat,
+cdef int _q4i8_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, int nmat,
                    const uint8_t** ws, const float** ss, float** ys, Py_ssize_t* Os,
-                   int nt) except -1:
+                   const Py_ssize_t* t0s, const Py_ssize_t* Ts, int nt) except -1:
     """The opt-in int8-activation path of _q4_run (gs % 64 == 0, AVX2 / AVX-512)."""
     cdef Py_ssize_t nb = (cols + 1) // 2
     cdef Py_ssize_t ng = (cols + gs - 1) // gs
     cdef Py_ssize_t L = ng * gs
     cdef Py_ssize_t rb = 64
-    cdef Py_ssize_t nb0 = (Os[0] + rb - 1) // rb
-    cdef Py_ssize_t nblk = nb0 + ((Os[1] + rb - 1) // rb if nmat == 2 else 0)
-    cdef Py_ssize_t b, r0, r1, O
+    cdef Py_ssize_t b, r0, r1, O, nblk = 0
+    cdef Py_ssize_t d8 = (L // 64) * 8
     cdef int m
-    cdef int8_t* xq = <int8_t*>malloc(<size_t>(T * L + 64))
-    cdef float* xd = <float*>malloc(<size_t>(T * (L // 64) * 8) * sizeof(float))
-    cdef int32_t* xc = <int32_t*>malloc(<size_t>(T * (L // 64) * 8) * sizeof(int32_t))
-    if xq == NULL or xd == NULL or xc == NULL:
+    cdef Py_ssize_t* bstart = <Py_ssize_t*>malloc(<size_t>(nmat + 1) * sizeof(Py_ssize_t))
+    cdef int8_t* xq = <int8_t*>malloc(<size_t>(Tx * L + 64))
+    cdef float* xd = <float*>malloc(<size_t>(Tx * d8) * sizeof(float))
+    cdef int32_t* xc = <int32_t*>malloc(<size_t>(Tx * d8) * sizeof(int32_t))
+    if xq == NULL or xd == NULL or xc == NULL or bstart == NULL:
         free(xq)
         free(xd)
         free(xc)
+        free(bstart)
         raise MemoryError()
+    for m in range(nmat):
+        bstart[m] = nblk
+        nblk += (Os[m] + rb - 1) // rb if Ts[m] > 0 else 0
     try:
-        coli_q4i8_prep(x, T, cols, L, xq, xd, xc)
+        coli_q4i8_prep(x, Tx, cols, L, xq, xd, xc)
         for b in prange(nblk, nogil=True, num_threads=nt, schedule="dynamic"):
-            m = 0 if b < nb0 else 1
-            r0 = (b if m == 0 else b - nb0) * rb
+            m = <int>_owner(bstart, nmat, b)
+            r0 = (b - bstart[m]) * rb
             O = Os[m]
             r1 = r0 + rb
             if r1 > O:
                 r1 = O
-            coli_q4i8_rows(ws[m], ss[m], xq, xd, xc, ys[m], r0, r1, T, O, nb, ng, gs)
+            coli_q4i8_rows(ws[m], ss[m], xq + t0s[m] * L, xd + t0s[m] * d8, xc + t0s[m] * d8,
+                           ys[m], r0, r1, Ts[m], O, nb, ng, gs)
     finally:
         free(xc)
         free(xd)
         free(xq)
+        free(bstart)
     return 0
 
 
 cdef int _q4_impl(const float[:, ::1] x, const unsigned char[:, ::1] w, const float[:, ::1] s,
                   float[:, ::1] y, Py_ssize_t cols, Py_ssize_t gs) except -1:
-    cdef const uint8_t* ws[2]
-    cdef const float* ss[2]
-    cdef float* ys[2]
-    cdef Py_ssize_t Os[2]
+    cdef const uint8_t* ws[1]
+    cdef const float* ss[1]
+    cdef float* ys[1]
+    cdef Py_ssize_t Os[1]
+    cdef Py_ssize_t t0s[1]
+    cdef Py_ssize_t Ts[1]
     ws[0] = &w[0, 0]
     ss[0] = &s[0, 0]
     ys[0] = &y[0, 0]
     Os[0] = w.shape[0]
-    Os[1] = 0
-    return _q4_run(&x[0, 0], x.shape[0], cols, gs, 1, ws, ss, ys, Os)
+    t0s[0] = 0
+    Ts[0] = x.shape[0]
+    return _q4_run(&x[0, 0], x.shape[0], cols, gs, 1, ws, ss, ys, Os, t0s, Ts)
 
 
 cdef int _q4_pair(const float[:, ::1] x, const unsigned char[:, ::1] w0, const float[:, ::1] s0,
@@ -260,6 +297,8 @@ cdef int _q4_pair(const float[:, ::1] x, const unsigned char[:, ::1] w0, const f
     cdef const float* ss[2]
     cdef float* ys[2]
     cdef Py_ssize_t Os[2]
+    cdef Py_ssize_t t0s[2]
+    cdef Py_ssize_t Ts[2]
     ws[0] = &w0[0, 0]
     ss[0] = &s0[0, 0]
     ys[0] = &y0[0, 0]
@@ -268,7 +307,39 @@ cdef int _q4_pair(const float[:, ::1] x, const unsigned char[:, ::1] w0, const f
     ss[1] = &s1[0, 0]
     ys[1] = &y1[0, 0]
     Os[1] = w1.shape[0]
-    return _q4_run(&x[0, 0], x.shape[0], cols, gs, 2, ws, ss, ys, Os)
+    t0s[0] = t0s[1] = 0
+    Ts[0] = Ts[1] = x.shape[0]
+    return _q4_run(&x[0, 0], x.shape[0], cols, gs, 2, ws, ss, ys, Os, t0s, Ts)
+
+
+cdef int _q4_many(const float[:, ::1] x, list mats, list outs, const Py_ssize_t[::1] t0,
+                  const Py_ssize_t[::1] tn, Py_ssize_t cols, Py_ssize_t gs) except -1:
+    """Pointers for _q4_run from Python lists of (w, s) pairs and outputs (validated by the
+    caller); the lists keep the arrays alive for the call."""
+    cdef int nmat = len(mats), m
+    cdef const unsigned char[:, ::1] w
+    cdef const float[:, ::1] s
+    cdef float[:, ::1] y
+    cdef void** p = <void**>malloc(<size_t>(3 * nmat) * sizeof(void*))
+    cdef Py_ssize_t* Os = <Py_ssize_t*>malloc(<size_t>nmat * sizeof(Py_ssize_t))
+    if p == NULL or Os == NULL:
+        free(p)
+        free(Os)
+        raise MemoryError()
+    try:
+        for m in range(nmat):
+            w = mats[m][0]
+            s = mats[m][1]
+            y = outs[m]
+            p[m] = <void*>&w[0, 0]
+            p[nmat + m] = <void*>&s[0, 0]
+            p[2 * nmat + m] = <void*>&y[0, 0]
+            Os[m] = w.shape[0]
+        return _q4_run(&x[0, 0], x.shape[0], cols, gs, nmat, <const uint8_t**>p,
+                       <const float**>(p + nmat), <float**>(p + 2 * nmat), Os, &t0[0], &tn[0])
+    finally:
+        free(Os)
+        free(p)
 
 
 # --- int8 -------------------------------------------------------------------------------------
@@ -411,6 +482,42 @@ def _q4_args(w, s, cols, group_size, rows, name):
         raise ValueError(f"{name} scales must be [{w.shape[0]}, {ng}] for cols={cols}, "
                          f"group_size={group_size}, got shape {s.shape}")
     return w, s
+
+
+def q4_matmul_many(x, mats, int cols, int group_size, rows=None, outs=None):
+    """Several int4 products in one parallel pass: out_m = x[t0:t0+n] @ dequant(W_m).T.
+
+    x: float32 [T, cols]; mats: list of (w uint8 [O_m, ceil(cols/2)], s float32 [O_m, ng]) with
+    the same cols and group size; rows: optional list of (t0, n) per matrix (default: all of x);
+    outs: optional list of float32 [n_m, O_m] arrays to write into. Returns the list of outputs.
+    x is laid out once and one OpenMP loop covers the row blocks of every matrix -- q/k/v of a
+    layer, or gate and up (then down) of all the experts a MoE layer routed to -- with the bits
+    of separate ``q4_matmul`` calls.
+    """
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be even and >= 2, got {group_size}")
+    x, _ = _as_x(x)
+    if x.shape[1] != cols or cols <= 0:
+        raise ValueError(f"x has {x.shape[1]} columns, expected cols={cols} (> 0)")
+    n = len(mats)
+    T = x.shape[0]
+    rows = [(0, T)] * n if rows is None else [(int(a), int(b)) for a, b in rows]
+    if len(rows) != n or (outs is not None and len(outs) != n):
+        raise ValueError("mats, rows and outs must have the same length")
+    checked, res = [], []
+    for m, (w, s) in enumerate(mats):
+        t0, tn = rows[m]
+        if t0 < 0 or tn < 0 or t0 + tn > T:
+            raise ValueError(f"rows {t0}:{t0 + tn} are outside x's {T} rows")
+        w, s = _q4_args(w, s, cols, group_size, None, f"mats[{m}]")
+        checked.append((w, s))
+        res.append(_out(None if outs is None else outs[m], tn, w.shape[0], False))
+    live = [m for m in range(n) if rows[m][1] > 0 and checked[m][0].shape[0] > 0]
+    if live and T > 0:
+        t0s = np.array([rows[m][0] for m in live], dtype=np.intp)
+        tns = np.array([rows[m][1] for m in live], dtype=np.intp)
+        _q4_many(x, [checked[m] for m in live], [res[m] for m in live], t0s, tns, cols, group_size)
+    return res
 
 
 def expert_swiglu(x, gate_w, gate_s, up_w, up_s, down_w, down_s, int cols_in, int inter,

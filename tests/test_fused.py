@@ -1,0 +1,110 @@
+"""One kernel pass for many matrices (q/k/v of a layer, all experts of a MoE layer): the same bits
+as one call per matrix, whatever the grouping, thread count or SIMD variant."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core import kernels
+from core.container import Weight
+from core.engine import expert_ffn
+from core.quant import quantize_int4, quantize_int8
+from core.store import ExpertFFN
+from models import open_model
+from tests.conftest import oracle_names
+
+qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    qm.set_num_threads(0)
+    qm.set_simd("auto")
+    qm.set_int8_activations(False)
+
+
+def _w4(rng, O, cols, gs):
+    w, s = quantize_int4(rng.standard_normal((O, cols)).astype(np.float32), gs)
+    return Weight("int4", (O, cols), w, s, gs)
+
+
+@pytest.mark.parametrize("cols,gs", [(64, 64), (200, 64), (96, 32), (130, 128), (30, 6)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_equals_separate_calls(cols, gs, threads):
+    rng = np.random.default_rng(cols + gs)
+    x = rng.standard_normal((9, cols)).astype(np.float32)
+    mats = [_w4(rng, O, cols, gs) for O in (5, 70, 1, 130, 64)]
+    rows = [(0, 9), (2, 3), (8, 1), (4, 0), (0, 1)]
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        for i8 in (False, True):
+            qm.set_int8_activations(i8)
+            qm.set_num_threads(threads)
+            got = kernels.matmul_many(x, mats, rows)
+            qm.set_num_threads(1)
+            for w, (t0, n), y in zip(mats, rows, got):
+                assert y.shape == (n, w.shape[0])
+                want = qm.q4_matmul(x[t0: t0 + n], w.data, w.scales, cols, gs)
+                np.testing.assert_array_equal(y, want, err_msg=f"{variant} i8={i8} rows={t0}:{t0 + n}")
+
+
+def test_many_writes_into_outs_and_rejects_bad_input():
+    rng = np.random.default_rng(1)
+    a, b = _w4(rng, 7, 64, 32), _w4(rng, 3, 64, 32)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    outs = [np.empty((4, 7), np.float32), np.empty((2, 3), np.float32)]
+    got = qm.q4_matmul_many(x, [(a.data, a.scales), (b.data, b.scales)], 64, 32, [(0, 4), (1, 2)], outs)
+    assert got[0] is outs[0] and got[1] is outs[1]
+    np.testing.assert_array_equal(outs[1], qm.q4_matmul(x[1:3], b.data, b.scales, 64, 32))
+    with pytest.raises(ValueError, match="outside"):
+        qm.q4_matmul_many(x, [(a.data, a.scales)], 64, 32, [(3, 2)])
+    with pytest.raises(ValueError, match="columns"):
+        qm.q4_matmul_many(x[:, :32], [(a.data, a.scales)], 64, 32)
+    with pytest.raises(ValueError, match="scales"):
+        qm.q4_matmul_many(x, [(a.data, a.scales[:, :1])], 64, 32)
+    with pytest.raises(ValueError, match="same length"):
+        qm.q4_matmul_many(x, [(a.data, a.scales)], 64, 32, [(0, 1), (0, 1)])
+    with pytest.raises(ValueError, match="out must be"):
+        qm.q4_matmul_many(x, [(a.data, a.scales)], 64, 32, None, [np.empty((4, 6), np.float32)])
+
+
+def test_mixed_schemes_fall_back_to_one_call_each():
+    rng = np.random.default_rng(2)
+    a = _w4(rng, 6, 64, 32)
+    q, s = quantize_int8(rng.standard_normal((5, 64)).astype(np.float32))
+    b = Weight("int8", (5, 64), q, s)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    ya, yb = kernels.matmul_many(x, [a, b])
+    np.testing.assert_array_equal(ya, kernels.matmul(x, a))
+    np.testing.assert_array_equal(yb, kernels.matmul(x, b))
+
+
+@pytest.mark.parametrize("H,I,gs", [(64, 32, 32), (136, 66, 64), (2048, 1024, 64)])
+def test_swiglu_many_equals_expert_ffn(H, I, gs):
+    rng = np.random.default_rng(H)
+    ffns = [ExpertFFN(_w4(rng, I, H, gs), _w4(rng, I, H, gs), _w4(rng, H, I, gs)) for _ in range(4)]
+    x = rng.standard_normal((6, H)).astype(np.float32)
+    spans = [(0, 6), (1, 1), (3, 2), (5, 1)]
+    xs = np.concatenate([x[a: a + n] for a, n in spans])
+    at, rows = 0, []
+    for _, n in spans:
+        rows.append((at, n))
+        at += n
+    for threads in (1, 2):
+        qm.set_num_threads(threads)
+        y = kernels.swiglu_many(xs, ffns, rows)
+        for f, (a, n) in zip(ffns, rows):
+            np.testing.assert_array_equal(y[a: a + n], expert_ffn(xs[a: a + n], f))
+
+
+def test_store_batches_hits_together(containers):
+    """request_batches yields all hits as the first batch, then misses; every expert once."""
+    c4 = containers(oracle_names()[0], 4)
+    engine = open_model(c4, cap=3, prefetch=False)
+    store = engine.store
+    list(store.request(0, [0, 1]))                 # 0 and 1 now resident
+    batches = [[e for e, _ in b] for b in store.request_batches(0, [1, 2, 0])]
+    assert sorted(batches[0]) == [0, 1]
+    assert sorted(e for b in batches for e in b) == [0, 1, 2]
+    store.close()
