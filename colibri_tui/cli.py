@@ -40,6 +40,8 @@ def _add_model(p, store=True):
     p.add_argument("--model", metavar="DIR", default=os.environ.get("COLI_MODEL"),
                    help="a converted colibrì container (default: $COLI_MODEL, else the demo model)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="faster int4 products with x rounded to int8 (~0.5%% rms error; off by default)")
     if not store:
         return
     g = p.add_mutually_exclusive_group()
@@ -62,6 +64,8 @@ def _env_float(name: str):
 def _open(args):
     from models import open_model
     from models import DEFAULT_POLICY
+    from core import kernels
+    kernels.set_int8_activations(getattr(args, "int8_activations", False))
     return open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
                       policy=args.policy or DEFAULT_POLICY, prefetch=not args.no_prefetch,
                       o_direct=args.o_direct)
@@ -255,7 +259,7 @@ def cmd_info(args) -> int:
         "quantization": c.manifest.get("classes"),
         "bytes_total": total, "bytes_experts": expert_bytes, "bytes_dense": total - expert_bytes,
         "kernels": kernels.backend(), "openmp": kernels.openmp_enabled(),
-        "threads": kernels.get_threads(),
+        "threads": kernels.get_threads(), "simd": kernels.simd_level(),
     }
     if args.json:
         print(json.dumps(info))

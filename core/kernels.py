@@ -42,6 +42,16 @@ def get_threads() -> int:
     return _compiled.get_num_threads() if _compiled is not None else 1
 
 
+def set_int8_activations(on: bool) -> None:
+    """The opt-in int8-activation path of the compiled int4 products (see qmatmul)."""
+    if _compiled is not None:
+        _compiled.set_int8_activations(bool(on))
+
+
+def simd_level() -> str:
+    return _compiled.simd_level() if _compiled is not None else "numpy"
+
+
 def openmp_enabled() -> bool:
     return bool(_compiled is not None and _compiled.openmp_enabled())
 

@@ -123,3 +123,14 @@ def test_sampler_is_seeded_and_respects_top_k_top_p():
     assert Sampler(SamplingParams(greedy=True))(logits) == 0
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_int8_activations_flag_is_close_not_identical(tmp_path):
+    """--int8-activations (opt-in) changes logits by a fraction of a percent on the demo model."""
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    ids = "1,300,301,302,303,304,305,306"
+    coli("logits", "--ids", ids, "--out", a, check_rc=0)
+    coli("logits", "--ids", ids, "--out", b, "--int8-activations", check_rc=0)
+    x, y = np.load(a), np.load(b)
+    assert not np.array_equal(x, y)
+    assert np.sqrt(np.mean((x - y) ** 2)) < 0.05 * np.sqrt(np.mean(x ** 2))
