@@ -13,6 +13,13 @@ import numpy as np
 from . import quant
 from .container import Weight
 
+# OpenMP threads sleep at the end of a parallel region instead of spinning. Spinning saves a few
+# microseconds per region on an idle machine, but when other processes keep the cores busy the
+# spinners and a descheduled team member make every region wait for a time slice: decode with
+# 2 threads fell to 0.2-0.6 tok/s under load (benchmarks/README.md). Read by libgomp when the
+# extension loads; a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 _compiled = None
 if os.environ.get("COLI_KERNELS", "").lower() != "numpy":
     try:
