@@ -1,18 +1,19 @@
 /* Hot loops of the quantized matmul kernels (cython_kernels/qmatmul.pyx), with SIMD variants
  * chosen at RUN time.
  *
- * Variants (levels): 0 portable C, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL).  The x86 variants are
- * compiled per function with __attribute__((target(...))) on gcc/clang and picked with
- * __builtin_cpu_supports, so the extension is built for baseline x86-64 (never -march=native)
- * and still uses the wide units where they exist.  Other compilers (MSVC) and other CPUs build
- * the portable variant only; its loops are written as fixed-width lane arrays that compilers
- * auto-vectorize (SSE2 on x86-64, NEON on arm64, where NEON is the baseline).
+ * Variants (levels): 0 portable C, 1 AVX2+FMA, 2 AVX-512 (F/BW/VL), 3 NEON (AArch64).  The x86
+ * variants are compiled per function with __attribute__((target(...))) on gcc/clang and picked
+ * with __builtin_cpu_supports, so the extension is built for baseline x86-64 (never
+ * -march=native) and still uses the wide units where they exist.  On AArch64 (gcc/clang) NEON is
+ * part of the baseline: the NEON variant (qkern_neon.h) is always compiled and always supported.
+ * Other compilers (MSVC) and other CPUs build the portable variant only; its loops are written as
+ * fixed-width lane arrays that compilers auto-vectorize.
  *
  * Numerics.  Every output y[t, o] is computed by one thread, in an order fixed by the variant and
  * the shapes alone: results do not depend on the thread count, and decode (T == 1) and prefill
  * (T > 1) give the same bits for the same row.  Different variants sum in different orders and
- * (AVX2 / AVX-512) use fused multiply-adds, so they agree with each other and with the numpy
- * reference to float32 rounding (~1e-6 relative), not bit for bit.
+ * (AVX2 / AVX-512 / NEON) use fused multiply-adds, so they agree with each other and with the
+ * numpy reference to float32 rounding (~1e-6 relative), not bit for bit.
  *
  * int4 (core.quant format: byte k of a row holds element 2k in the low nibble, 2k+1 in the high
  * one, value = (nibble - 8) * s[o, i // gs]).  AVX2 / AVX-512, when a group is a whole number of
@@ -32,6 +33,7 @@
  *   through memory between tiles, which does not change any rounding).
  * Portable: per group the low-nibble x then the high-nibble x; 64 lanes accumulate
  * ((lo - 8) x_lo + (hi - 8) x_hi) * s, folded by a fixed tree; any even group size.
+ * NEON: the AVX2 structure with 4-lane vectors and (nibble - 8) taken directly (qkern_neon.h).
  * An opt-in int8-activation path (coli_q4i8_*, below) quantizes x instead (off by default).
  *
  * int8 (per-row scale): x is copied to a zero-padded buffer; per row, 8 vector accumulators over
@@ -46,13 +48,15 @@
 #include <string.h>
 
 #if defined(COLI_SIMDE_TEST)
-/* Test-only build: every x86 variant through SIMDe's portable emulation of the intrinsics, so
- * the AVX2 / AVX-512 code can be checked on a machine without those units
+/* Test-only build: every variant (x86 and NEON) through SIMDe's portable emulation of the
+ * intrinsics, so the AVX2 / AVX-512 / NEON code can be checked on a machine without those units
  * (see tests/test_kernels.py::test_simd_variants_emulated). */
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #include <simde/x86/fma.h>
+#include <simde/arm/neon.h>
 #define COLI_X86 1
+#define COLI_ARM 1
 #define COLI_T_AVX2
 #define COLI_T_AVX512
 /* conversions older SIMDe releases lack (element-wise, as the hardware defines them) */
@@ -92,8 +96,15 @@ static inline __m512 coli_emu_cvtepi32_ps(__m512i v)
 #include <immintrin.h>
 #define COLI_T_AVX2 __attribute__((target("avx,avx2,fma")))
 #define COLI_T_AVX512 __attribute__((target("avx,avx2,fma,avx512f,avx512bw,avx512vl")))
+#define COLI_ARM 0
+#elif (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__) \
+    && !defined(__AARCH64EB__) && !defined(COLI_NO_SIMD)
+#define COLI_X86 0
+#define COLI_ARM 1           /* AArch64: NEON (Advanced SIMD) is baseline */
+#include <arm_neon.h>
 #else
 #define COLI_X86 0
+#define COLI_ARM 0
 #endif
 
 #if defined(_MSC_VER) && !defined(__cplusplus) && !defined(inline)
@@ -108,7 +119,7 @@ typedef ptrdiff_t coli_idx;
 #define COLI_INLINE static __forceinline
 #endif
 
-enum { COLI_PORTABLE = 0, COLI_AVX2 = 1, COLI_AVX512 = 2, COLI_NLEVELS = 3 };
+enum { COLI_PORTABLE = 0, COLI_AVX2 = 1, COLI_AVX512 = 2, COLI_NEON = 3, COLI_NLEVELS = 4 };
 enum { COLI_TB = 4 };          /* tokens per prefill block */
 enum { COLI_GINIT = 16 };      /* floats per 64-element block in the start-value table */
 
@@ -118,7 +129,7 @@ static coli_idx coli_q4_gstride(coli_idx gs)
     return (gs + 63) / 64 * COLI_GINIT;
 }
 
-static const char *coli_level_names[COLI_NLEVELS] = {"portable", "avx2", "avx512"};
+static const char *coli_level_names[COLI_NLEVELS] = {"portable", "avx2", "avx512", "neon"};
 
 static int coli_simd_supported(int level)
 {
@@ -135,6 +146,9 @@ static int coli_simd_supported(int level)
     if (level == COLI_AVX512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                && __builtin_cpu_supports("avx512vl");
+#elif COLI_ARM
+    if (level == COLI_NEON)
+        return 1;
 #endif
     return 0;
 }
@@ -150,25 +164,28 @@ static int coli_simd_best(void)
 
 /* ---- int4: layouts -------------------------------------------------------------------------- */
 
-/* Packed bytes per "chunk" of the x layout for a level and group size.  AVX2 / AVX-512 need the
- * group to be whole chunks of 8 / 16 bytes; the portable path takes the whole group as one chunk
- * (any even group size). */
+/* Packed bytes per "chunk" of the x layout for a level and group size.  AVX2 / NEON and AVX-512
+ * need the group to be whole chunks of 8 / 16 bytes; the portable path takes the whole group as
+ * one chunk (any even group size). */
 static int coli_q4_cb(int level, coli_idx gs)
 {
     coli_idx gb = gs / 2;
     if (level == COLI_AVX512 && gb % 16 == 0)
         return 16;
-    if ((level == COLI_AVX2 || level == COLI_AVX512) && gb % 8 == 0)
+    if ((level == COLI_AVX2 || level == COLI_AVX512 || (level == COLI_NEON && COLI_ARM))
+        && gb % 8 == 0)
         return 8;
     return (int)gb;
 }
 
 /* Level that actually runs for (level, gs): AVX-512 falls back to AVX2 for groups that are not
- * whole 16-byte chunks, and both to portable for groups that are not whole 8-byte chunks
- * (group sizes that are not multiples of 16). */
+ * whole 16-byte chunks, and both (and NEON) to portable for groups that are not whole 8-byte
+ * chunks (group sizes that are not multiples of 16). */
 static int coli_q4_level(int level, coli_idx gs)
 {
     coli_idx gb = gs / 2;
+    if (level == COLI_NEON)
+        return COLI_ARM && gb % 8 == 0 ? COLI_NEON : COLI_PORTABLE;
     if (level == COLI_AVX512 && gb % 16 == 0)
         return COLI_AVX512;
     if ((level == COLI_AVX2 || level == COLI_AVX512) && gb % 8 == 0)
@@ -176,7 +193,7 @@ static int coli_q4_level(int level, coli_idx gs)
     return COLI_PORTABLE;
 }
 
-/* xp: [T][L] with L = ng * gs; ginit: [T][ng][gstride] (AVX2 / AVX-512 only). */
+/* xp: [T][L] with L = ng * gs; ginit: [T][ng][gstride] (used by AVX2 / AVX-512 only). */
 static void coli_q4_prep(int cb, const float *x, coli_idx T, coli_idx cols, coli_idx gs,
                          coli_idx ng, float *xp, float *ginit)
 {
@@ -510,16 +527,23 @@ COLI_Q4_PF_AVX512(4)
 
 #endif /* COLI_X86 */
 
-/* ---- int4 x int8 activations (opt-in, AVX2 / AVX-512 machines, gs % 64 == 0) ----------------
+/* ---- NEON (AArch64): int4, int4 x int8, int8 ------------------------------------------------ */
+#if COLI_ARM
+#include "qkern_neon.h"
+#endif
+
+/* ---- int4 x int8 activations (opt-in, AVX2 / AVX-512 / NEON machines, gs % 64 == 0) ---------
  * x is quantized per 32 elements: d = absmax / 127, xq = round(x / d) (int8).  Per 64 elements
  * of a row (32 packed bytes): maddubs(nibbles, xq) of the low and the high nibbles, pairwise
  * summed to 8 int32 lanes (lanes 0-3: elements 0-31, lanes 4-7: elements 32-63), plus the exact
  * integer "- 8 * sum(xq)" of each 32-block, then float: times (d0 x4, d1 x4), summed per group,
  * times the group scale.  All integer sums are exact, so the only error is the rounding of x to
- * int8 (~0.2-0.5 % of an output's magnitude); see qmatmul.set_int8_activations. */
+ * int8 (~0.2-0.5 % of an output's magnitude); see qmatmul.set_int8_activations.  NEON: the same
+ * integer sums with vmull_s8 / vpadalq_s16 (qkern_neon.h). */
 static int coli_q4i8_ok(int level, coli_idx gs)
 {
-    return (level == COLI_AVX2 || level == COLI_AVX512) && gs % 64 == 0;
+    return (level == COLI_AVX2 || level == COLI_AVX512 || (level == COLI_NEON && COLI_ARM))
+           && gs % 64 == 0;
 }
 
 /* xq: [T][L] int8, per 64 elements: 32 low-nibble elements (0, 2, .., 62) then 32 high (1, .., 63);
@@ -628,30 +652,127 @@ COLI_T_AVX2 static float coli_q4i8_row_avx2(const uint8_t *w, const float *s, co
 }
 #endif
 
-/* Rows [r0, r1) for all T tokens (each token: the decode row; weights re-read from cache). */
+/* Rows [r0, r1) for all T tokens (each token: the decode row; weights re-read from cache), with
+ * the kernel of `level` (NEON where level == COLI_NEON and NEON is compiled, else AVX2 on x86). */
+static void coli_q4i8_rows_level(int level, const uint8_t *w, const float *s, const int8_t *xq,
+                                 const float *xd, const int32_t *xc, float *y, coli_idx r0,
+                                 coli_idx r1, coli_idx T, coli_idx O, coli_idx nb, coli_idx ng,
+                                 coli_idx gs)
+{
+    coli_idx L = ng * gs, r, t;
+    (void)level;
+    for (r = r0; r < r1; r++)
+        for (t = 0; t < T; t++) {
+            const uint8_t *wr = w + r * nb;
+            const float *sr = s + r * ng, *dt = xd + t * (L / 64) * 8;
+            const int8_t *qt = xq + t * L;
+            const int32_t *ct = xc + t * (L / 64) * 8;
+            float v = 0.0f;
+#if COLI_ARM
+            if (level == COLI_NEON || !COLI_X86)
+                v = coli_q4i8_row_neon(wr, sr, qt, dt, ct, nb, ng, gs);
+#endif
+#if COLI_X86
+            if (level != COLI_NEON || !COLI_ARM)
+                v = coli_q4i8_row_avx2(wr, sr, qt, dt, ct, nb, ng, gs);
+#endif
+            (void)wr; (void)sr; (void)dt; (void)qt; (void)ct;
+            y[t * O + r] = v;
+        }
+}
+
+/* The same with the machine's int8-activation kernel (AVX2 on x86-64, NEON on AArch64). */
 static void coli_q4i8_rows(const uint8_t *w, const float *s, const int8_t *xq, const float *xd,
                            const int32_t *xc, float *y, coli_idx r0, coli_idx r1, coli_idx T,
                            coli_idx O, coli_idx nb, coli_idx ng, coli_idx gs)
 {
-#if COLI_X86
-    coli_idx L = ng * gs, r, t;
-    for (r = r0; r < r1; r++)
-        for (t = 0; t < T; t++)
-            y[t * O + r] = coli_q4i8_row_avx2(w + r * nb, s + r * ng, xq + t * L,
-                                              xd + t * (L / 64) * 8, xc + t * (L / 64) * 8, nb,
-                                              ng, gs);
-#else
-    (void)w; (void)s; (void)xq; (void)xd; (void)xc; (void)y; (void)r0; (void)r1; (void)T;
-    (void)O; (void)nb; (void)ng; (void)gs;
-#endif
+    coli_q4i8_rows_level(COLI_X86 ? COLI_AVX2 : COLI_NEON, w, s, xq, xd, xc, y, r0, r1, T, O, nb,
+                         ng, gs);
 }
 
 /* ---- int4: a block of rows [r0, r1) for all T tokens -----------------------------------------
  * lv: level from coli_q4_level (-1: generic).  xp / ginit from coli_q4_prep.  U: scratch of
- * (r1 - r0) * L floats (prefill on AVX2 / AVX-512 only).  y: [T][O]. */
+ * (r1 - r0) * L floats (prefill on AVX2 / AVX-512 / NEON only).  y: [T][O]. */
+
+/* Whether level lv has the unpacked-row prefill kernels (compiled in this build). */
+static int coli_q4_has_pf(int lv)
+{
+#if COLI_X86
+    if (lv == COLI_AVX2 || lv == COLI_AVX512)
+        return 1;
+#endif
+#if COLI_ARM
+    if (lv == COLI_NEON)
+        return 1;
+#endif
+    (void)lv;
+    return 0;
+}
+
 static size_t coli_q4_scratch_floats(int lv, coli_idx T, coli_idx rb, coli_idx L)
 {
-    return (T > 1 && (lv == COLI_AVX2 || lv == COLI_AVX512)) ? (size_t)(rb * L + rb * T * 16) : 0;
+    return T > 1 && coli_q4_has_pf(lv) ? (size_t)(rb * L + rb * T * 16) : 0;
+}
+
+static void coli_q4_unpack(int lv, const uint8_t *w, float *U, coli_idx nb, coli_idx L)
+{
+#if COLI_X86
+    if (lv == COLI_AVX512)
+        coli_q4_unpack_avx512(w, U, nb, L);
+    else if (lv == COLI_AVX2)
+        coli_q4_unpack_avx2(w, U, nb, L);
+#endif
+#if COLI_ARM
+    if (lv == COLI_NEON)
+        coli_q4_unpack_neon(w, U, nb, L);
+#endif
+    (void)lv; (void)w; (void)U; (void)nb; (void)L;
+}
+
+/* Groups [g0, g1) of n (1..4) tokens from an unpacked row (coli_q4_pf<n>_<level>). */
+#define COLI_Q4_PF_N(SUF)                                                                       \
+    switch (n) {                                                                                \
+    case 4: coli_q4_pf4_##SUF(Ur, sr, xt, gt, L, ng, gs, g0, g1, Ar); break;                    \
+    case 3: coli_q4_pf3_##SUF(Ur, sr, xt, gt, L, ng, gs, g0, g1, Ar); break;                    \
+    case 2: coli_q4_pf2_##SUF(Ur, sr, xt, gt, L, ng, gs, g0, g1, Ar); break;                    \
+    default: coli_q4_pf1_##SUF(Ur, sr, xt, gt, L, ng, gs, g0, g1, Ar); break;                   \
+    }
+
+static void coli_q4_pf(int lv, coli_idx n, const float *Ur, const float *sr, const float *xt,
+                       const float *gt, coli_idx L, coli_idx ng, coli_idx gs, coli_idx g0,
+                       coli_idx g1, float *Ar)
+{
+#if COLI_X86
+    if (lv == COLI_AVX512) {
+        COLI_Q4_PF_N(avx512)
+    } else if (lv == COLI_AVX2) {
+        COLI_Q4_PF_N(avx2)
+    }
+#endif
+#if COLI_ARM
+    if (lv == COLI_NEON) {
+        COLI_Q4_PF_N(neon)
+    }
+#endif
+    (void)lv; (void)n; (void)Ur; (void)sr; (void)xt; (void)gt; (void)L; (void)ng; (void)gs;
+    (void)g0; (void)g1; (void)Ar;
+}
+
+/* y of one (row, token) from its prefill accumulator (16 floats). */
+static float coli_q4_fin(int lv, const float *A)
+{
+#if COLI_X86
+    if (lv == COLI_AVX512)
+        return coli_q4_fin_avx512(A);
+    if (lv == COLI_AVX2)
+        return coli_q4_fin_avx2(A);
+#endif
+#if COLI_ARM
+    if (lv == COLI_NEON)
+        return coli_q4_fin_neon(A);
+#endif
+    (void)lv; (void)A;
+    return 0.0f;
 }
 
 enum { COLI_TILE = 256 };   /* prefill: elements per column tile (x and U tiles stay in L1) */
@@ -661,14 +782,9 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
                          coli_idx T, coli_idx O, coli_idx nb, coli_idx ng, coli_idx gs)
 {
     coli_idx L = ng * gs, r, t;
-#if COLI_X86
-    if (T > 1 && (lv == COLI_AVX2 || lv == COLI_AVX512)) {
-        for (r = r0; r < r1; r++) {
-            if (lv == COLI_AVX512)
-                coli_q4_unpack_avx512(w + r * nb, U + (r - r0) * L, nb, L);
-            else
-                coli_q4_unpack_avx2(w + r * nb, U + (r - r0) * L, nb, L);
-        }
+    if (T > 1 && coli_q4_has_pf(lv)) {
+        for (r = r0; r < r1; r++)
+            coli_q4_unpack(lv, w + r * nb, U + (r - r0) * L, nb, L);
         {
             /* Column tiles of gt groups; per (row, token) the accumulator goes through A between
              * tiles, so every output sees exactly the operations of the decode row. */
@@ -681,36 +797,17 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
                 for (t = 0; t < T; t += COLI_TB) {
                     coli_idx n = T - t < COLI_TB ? T - t : COLI_TB;
                     const float *xt = xp + t * L, *gt_ = gi + t * ng * coli_q4_gstride(gs);
-                    for (r = r0; r < r1; r++) {
-                        const float *Ur = U + (r - r0) * L, *sr = s + r * ng;
-                        float *Ar = A + ((r - r0) * T + t) * 16;
-                        if (lv == COLI_AVX512) {
-                            switch (n) {
-                            case 4: coli_q4_pf4_avx512(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            case 3: coli_q4_pf3_avx512(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            case 2: coli_q4_pf2_avx512(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            default: coli_q4_pf1_avx512(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            }
-                        } else {
-                            switch (n) {
-                            case 4: coli_q4_pf4_avx2(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            case 3: coli_q4_pf3_avx2(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            case 2: coli_q4_pf2_avx2(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            default: coli_q4_pf1_avx2(Ur, sr, xt, gt_, L, ng, gs, g0, g1, Ar); break;
-                            }
-                        }
-                    }
+                    for (r = r0; r < r1; r++)
+                        coli_q4_pf(lv, n, U + (r - r0) * L, s + r * ng, xt, gt_, L, ng, gs, g0,
+                                   g1, A + ((r - r0) * T + t) * 16);
                 }
             }
             for (r = r0; r < r1; r++)
                 for (t = 0; t < T; t++)
-                    y[t * O + r] = lv == COLI_AVX512
-                                       ? coli_q4_fin_avx512(A + ((r - r0) * T + t) * 16)
-                                       : coli_q4_fin_avx2(A + ((r - r0) * T + t) * 16);
+                    y[t * O + r] = coli_q4_fin(lv, A + ((r - r0) * T + t) * 16);
         }
         return;
     }
-#endif
     (void)U;
     (void)lv;
     (void)gi;
@@ -730,6 +827,11 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
                 v = coli_q4_row_avx2(wr, sr, xt, gt, nb, ng, gs);
             else
 #endif
+#if COLI_ARM
+            if (lv == COLI_NEON)
+                v = coli_q4_row_neon(wr, sr, xt, nb, ng, gs);
+            else
+#endif
                 v = coli_q4_row_portable(wr, sr, xt, nb, ng, gs);
             y[t * O + r] = v;
         }
@@ -741,7 +843,7 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
 /* Bytes per block of the int8 row loop (8 accumulators of VL lanes). */
 static coli_idx coli_q8_block(int level)
 {
-    return level == COLI_AVX512 ? 128 : 64;
+    return level == COLI_AVX512 ? 128 : (level == COLI_NEON && COLI_ARM) ? 32 : 64;
 }
 
 /* xp: [T][Lp], Lp = cols rounded up to the block, zero padded. */
@@ -883,10 +985,11 @@ COLI_T_AVX512 static float coli_q8_pf_avx512(const float *U, const float *x, col
 
 static size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp)
 {
-    return (T > 1 && (level == COLI_AVX2 || level == COLI_AVX512)) ? (size_t)Lp : 0;
+    return (T > 1 && (level == COLI_AVX2 || level == COLI_AVX512
+                      || (level == COLI_NEON && COLI_ARM))) ? (size_t)Lp : 0;
 }
 
-/* Rows [r0, r1) for all T tokens; xp from coli_q8_prep; U: Lp floats (prefill, x86 SIMD). */
+/* Rows [r0, r1) for all T tokens; xp from coli_q8_prep; U: Lp floats (prefill, SIMD levels). */
 static void coli_q8_rows(int level, const int8_t *w, const float *s, const float *xp, float *y,
                          float *U, coli_idx r0, coli_idx r1, coli_idx T, coli_idx O,
                          coli_idx cols, coli_idx Lp)
@@ -909,6 +1012,14 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
             continue;
         }
 #endif
+#if COLI_ARM
+        if (T > 1 && level == COLI_NEON) {
+            coli_q8_unpack_neon(wr, U, cols, Lp);
+            for (t = 0; t < T; t++)
+                y[t * O + r] = coli_q8_pf_neon(U, xp + t * Lp, Lp) * s[r];
+            continue;
+        }
+#endif
         (void)U;
         for (t = 0; t < T; t++) {
             float v;
@@ -917,6 +1028,11 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
                 v = coli_q8_row_avx512(wr, xp + t * Lp, cols, Lp);
             else if (level == COLI_AVX2)
                 v = coli_q8_row_avx2(wr, xp + t * Lp, cols, Lp);
+            else
+#endif
+#if COLI_ARM
+            if (level == COLI_NEON)
+                v = coli_q8_row_neon(wr, xp + t * Lp, cols, Lp);
             else
 #endif
                 v = coli_q8_row_portable(wr, xp + t * Lp, cols, Lp);
