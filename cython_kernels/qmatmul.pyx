@@ -101,7 +101,8 @@ def simd_level():
 
 
 def set_simd(name):
-    """Force a SIMD variant ('portable', 'avx2', 'avx512'), or 'auto' for the best this CPU runs.
+    """Force a SIMD variant ('portable', 'avx2', 'avx512' on x86-64; 'portable', 'neon' on
+    arm64), or 'auto' for the best this CPU runs.
 
     Raises ValueError for an unknown name or a variant this CPU (or this build) cannot run.
     Meant for tests and benchmarks; not thread-safe against kernels running concurrently.
