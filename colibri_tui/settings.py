@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 APP_NAME = "colibri"
-POLICIES = ("lru", "lfru", "pinned")
+POLICIES = ("lru", "lfru", "markov", "pinned")
 
 
 def config_dir() -> Path:

@@ -23,7 +23,7 @@ use is furthest in the future (never again = infinitely far). That it is optimal
 (the protection of the current request included) is checked against an exhaustive search over
 all eviction choices in ``tests/test_replay.py``. A pinned policy's hot set is
 resident before the first request, so its first uses are hits that MIN (starting empty) pays
-for: with a large ``cap`` a pinned policy can score above MIN. LRU and LFRU cannot.
+for: with a large ``cap`` a pinned policy can score above MIN. LRU, LFRU and Markov cannot.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from core.policies import Policy, make_policy
 from core.trace import Trace, requests_per_layer
 from core.usage import counts_from_trace
 
-DEFAULT_POLICIES = ("lru", "lfru", "pinned")
+DEFAULT_POLICIES = ("lru", "lfru", "markov", "pinned")
 
 
 def _check_cap(cap: int) -> None:

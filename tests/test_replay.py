@@ -6,8 +6,8 @@ import random
 import pytest
 
 from core.errors import ColiError
-from core.policies import LFRU, LRU, Pinned, make_policy
-from core.replay import belady, first_half, replay, simulate
+from core.policies import LFRU, LRU, Markov, Pinned, make_policy
+from core.replay import DEFAULT_POLICIES, belady, first_half, replay, simulate
 from core.trace import Trace, TraceWriter, read_trace, requests_per_layer
 from core.usage import counts_from_trace, engine_hash, load_usage, save_usage
 
@@ -427,6 +427,81 @@ def test_pinned_policy_keeps_its_hot_set():
     assert simulate(reqs, 1, Pinned({0: [0, 1, 2]}), 0) == simulate(reqs, 1, LRU(), 0)
 
 
+def _feed(pol, layer, requests):
+    """Serve ``requests`` to the policy as finished requests (step, then touch each expert)."""
+    for req in requests:
+        pol.step(layer)
+        for e in req:
+            pol.touch(layer, e)
+
+
+def test_markov_follows_transitions_where_lfu_ties():
+    # 5 always follows 1, 6 never does; both are used equally often (LFU ties, lowest id: 5)
+    history = [(1, 2), (5, 3), (6, 4)] * 10
+    pol = Markov()
+    _feed(pol, 0, history)
+    pol.step(0)                                   # a new request ...
+    pol.touch(0, 1)                               # ... that routes to 1 (consumed already)
+    assert pol.victim(0, [5, 6]) == 6
+    assert pol.victim(0, [6, 5]) == 6             # candidate order does not matter
+    # the current request is also what is resident but not a candidate (unconsumed hits)
+    pol2 = Markov()
+    _feed(pol2, 0, history + [(4, 1)])            # 1 resident since the last request
+    pol2.step(0)
+    assert pol2.victim(0, [5, 6]) == 6            # 1 is not a candidate: part of this request
+    # without history the order is LFU's: never used first, then fewest uses, ties lowest id
+    pol3 = Markov()
+    _feed(pol3, 0, [(3,), (3,), (2,)])
+    pol3.step(0)
+    assert pol3.victim(0, [3, 2, 9]) == 9
+    assert pol3.victim(0, [3, 2]) == 2
+    assert pol3.victim(0, [4, 9]) == 4
+
+
+def test_markov_layers_are_independent_and_forget_tracks_residency():
+    pol = Markov()
+    _feed(pol, 0, [(1, 2), (5, 3), (6, 4)] * 10)
+    _feed(pol, 1, [(1, 2), (6, 3), (5, 4)] * 10)  # the other way round in layer 1
+    for layer, want in ((0, 6), (1, 5)):
+        pol.step(layer)
+        pol.touch(layer, 1)
+        assert pol.victim(layer, [5, 6]) == want
+    assert pol.victim(2, [7, 3]) == 3             # a layer never seen: all ties, lowest id
+    pol.forget(0, 1)
+    assert 1 not in pol._layer(0).resident
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_markov_on_the_store_rules(seed):
+    rng = random.Random(seed)
+    reqs = zipf_requests(rng, 300, 16, 4)
+    protected_ok = []
+
+    class Spy(Markov):
+        def victim(self, layer, candidates):
+            v = super().victim(layer, candidates)
+            protected_ok.append(v in candidates)
+            return v
+    for cap in (1, 3, 4, 6, 10):
+        got = simulate(reqs, cap, Spy(), 0)
+        assert got == simulate(reqs, cap, Markov(), 0)          # deterministic
+        assert got[0] <= belady(reqs, cap)[0]
+    assert protected_ok and all(protected_ok)
+    # with room for every expert only the compulsory misses remain
+    assert simulate(reqs, 16, Markov(), 0)[0] == belady(reqs, 16)[0]
+    # cap == top_k: every miss must evict a non-requested expert; all policies agree
+    assert simulate(reqs, 4, Markov(), 0) == simulate(reqs, 4, LRU(), 0)
+
+
+def test_markov_is_registered():
+    assert isinstance(make_policy("markov"), Markov)
+    assert "markov" in DEFAULT_POLICIES
+    with pytest.raises(ValueError, match="markov"):
+        make_policy("fifo")
+    with pytest.raises(ValueError):
+        Markov(lags=0)
+
+
 # ---------------------------------------------------------------- replay
 
 def _trace_file(tmp_path, n=120, layers=3, experts=16, k=4, seed=0):
@@ -439,14 +514,15 @@ def test_replay_report(tmp_path):
     path, per_layer = _trace_file(tmp_path)
     t = read_trace(path)
     res = replay(t, cap=6)
-    assert res["cap"] == 6 and res["policies"] == ["lru", "lfru", "pinned"]
+    assert res["cap"] == 6 and res["policies"] == ["lru", "lfru", "markov", "pinned"]
     assert sorted(res["per_layer"]) == [0, 1, 2]
     total_b = 0
     for layer, row in res["per_layer"].items():
         bh, ba = belady(per_layer[layer], 6)
         assert row["belady"] == {"hits": bh, "accesses": ba, "hit_rate": bh / ba}
         assert row["lru"]["hits"] == simulate(per_layer[layer], 6, LRU(), layer)[0]
-        for name in ("lru", "lfru"):
+        assert row["markov"]["hits"] == simulate(per_layer[layer], 6, Markov(), layer)[0]
+        for name in ("lru", "lfru", "markov"):
             assert row[name]["hits"] <= bh
             assert row[name]["ratio_to_belady"] == pytest.approx(row[name]["hits"] / bh)
         total_b += bh
