@@ -38,8 +38,9 @@ def engine_options(args) -> dict:
             "o_direct": True if getattr(args, "o_direct", None) else None}
     if opts["threads"] is not None and opts["threads"] < 1:
         raise ColiError("--threads must be >= 1")
-    if opts["policy"] is not None and opts["policy"] not in ("lru", "lfru", "pinned"):
-        raise ColiError("--policy must be lru, lfru or pinned")
+    from core.policies import POLICY_NAMES
+    if opts["policy"] is not None and opts["policy"] not in POLICY_NAMES:
+        raise ColiError(f"--policy must be one of {', '.join(POLICY_NAMES)}")
     return {k: v for k, v in opts.items() if v is not None}
 
 

@@ -48,7 +48,7 @@ def _add_model(p, store=True):
     g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"),
                    help="RAM for routed experts, in GB (default: automatic, or $COLI_RAM_GB)")
     g.add_argument("--cap", type=int, default=None, help="at most N routed experts per layer in RAM")
-    p.add_argument("--policy", default=None, help="RAM cache policy: lfru (default), lru or pinned")
+    p.add_argument("--policy", default=None, help="RAM cache policy: lfru (default), lru, markov or pinned")
     p.add_argument("--no-prefetch", action="store_true", help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
 

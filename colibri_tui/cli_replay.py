@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 from core.errors import ColiError
-
-KNOWN = ("lru", "lfru", "pinned")
+from core.replay import DEFAULT_POLICIES as KNOWN  # every policy the store has
 
 
 def add_parser(subparsers):

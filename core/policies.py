@@ -225,6 +225,7 @@ def hot_set(counts: dict[tuple[int, int], float], layers: Iterable[int], per_lay
 
 
 POLICIES = {"lru": LRU, "lfru": LFRU, "markov": Markov}
+POLICY_NAMES = (*POLICIES, "pinned")
 
 
 def make_policy(name: str, usage: dict[tuple[int, int], float] | None = None,

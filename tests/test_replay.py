@@ -567,11 +567,11 @@ def test_cli_replay_table(tmp_path, capsys):
     lines = out.splitlines()
     assert "2 layers x 16 experts, top-4, 40 positions; cap 5" in lines[0]
     head = next(l for l in lines if l.split()[:1] == ["layer"])
-    assert head.split() == ["layer", "lru", "lfru", "pinned", "belady",
-                            "lru/belady", "lfru/belady", "pinned/belady"]
+    assert head.split() == ["layer", "lru", "lfru", "markov", "pinned", "belady",
+                            "lru/belady", "lfru/belady", "markov/belady", "pinned/belady"]
     rows = {l.split()[0]: l.split() for l in lines if l.split() and l.split()[0] in ("0", "1", "all")}
     assert set(rows) == {"0", "1", "all"}
-    assert rows["all"][4].endswith("%") and float(rows["all"][5]) <= 1
+    assert rows["all"][5].endswith("%") and float(rows["all"][6]) <= 1
 
 
 def test_cli_replay_json(tmp_path, capsys):
