@@ -1,6 +1,7 @@
 """Decode speed with every expert resident, against the RAM-bandwidth bound (issue 5).
 
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
+                                [--prefill 512] [--no-torch] [--layers N]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
 DIR, default /work/bench_models/olmoe-geom, and kept), opens it with every expert allowed in RAM
@@ -14,14 +15,40 @@ each run in a fresh process, and prints decode tok/s next to the bandwidth bound
 Each run (a fresh process per thread count) first decodes the same prompt once to load the
 experts it routes to into RAM, then decodes again, timed: the figures are that second run's
 decode steps (its Stats: decode tok/s, and attention / experts / lm_head seconds).
-Prints numbers; asserts nothing.
+
+Prefill (``--prefill T``, default 512, 0 skips): the same process then loads every expert, and
+times one forward pass over a T-token random prompt with a fresh KV cache -> prefill tok/s and
+GFLOP/s = 2 x (attention projections + router + top-k experts) params x T + 2 x lm_head params
+(the engine computes logits for the last position only) / s; attention scores (QK^T, PV) are
+left out of the count. Next to it, numpy sgemm's GFLOP/s in that process (float32
+[T, 2048] @ [2048, 1024]); each child runs with OPENBLAS_NUM_THREADS = its thread count, so
+numpy's BLAS (sgemm, and the engine's few numpy matmuls) uses the same number of threads.
+
+PyTorch (when ``import torch, transformers`` works; ``--no-torch`` skips): a further fresh
+process builds ``transformers.OlmoeForCausalLM`` from the container's config.json on the meta
+device and assigns it the SAME weights, every tensor dequantized from the container (int4/int8
+-> float32 -> bfloat16; bfloat16 because float32 needs 27.6 GB for the full model), then per
+thread count (torch.set_num_threads) decodes the same prompt greedily (manual loop over the KV
+cache, the first 2 steps a warm-up, untimed) and times a T-token prefill. Correctness check: the
+argmax of its logits at every position of the decode prompt against our engine's (the first
+engine process saves them), the cosine of the last position's logits, and the common prefix of
+the two greedy continuations. Random weights give flat logits, so bfloat16 noise can flip some
+argmaxes; a wrong weight mapping shows up as near-zero cosine and total disagreement.
+
+``--layers N``: benchmark the first N layers only (a temporary container of symlinks to the
+first N layer shards, with num_hidden_layers = N), for quick runs (torch then needs ~1 GB/layer).
+
+Prints numbers; asserts nothing. Timings on a shared machine are noisy.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +60,31 @@ from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # 
 from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry  # noqa: E402
 
 
+SGEMM_SHAPE = (2048, 1024)      # (I, O) of the sgemm next to prefill: x [T, I] @ W[O, I].T
+TORCH_WARMUP = 2                 # untimed decode steps before PyTorch's timed ones
+
+
+def sgemm_gflops(T: int, min_time: float = 1.0) -> float:
+    """numpy float32 x [T, I] @ W.T [I, O], best of several batches (BLAS threads: the env's)."""
+    import numpy as np
+
+    I, O = SGEMM_SHAPE
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, I), dtype=np.float32)
+    w = rng.standard_normal((O, I), dtype=np.float32)
+    x @ w.T
+    best, t_end = float("inf"), time.perf_counter() + min_time
+    while time.perf_counter() < t_end or best == float("inf"):
+        t0 = time.perf_counter()
+        x @ w.T
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * T * I * O / best / 1e9
+
+
 def child(a) -> None:
     import numpy as np
 
+    from core.engine import KVCache
     from core.events import Stats
     from core.sampling import SamplingParams
     from models import open_model
@@ -56,21 +105,187 @@ def child(a) -> None:
     f, l = out["timed"]["first"], out["timed"]["last"]
     steps = max(1, l["new_tokens"] - 1)
     keep = ("attention_s", "experts_s", "lm_head_s")
-    print(json.dumps({"tok_s": l["decode_tok_s"], "steps": steps, "hit_rate": l.get("hit_rate"),
-                      **{k: (l.get(k, 0.0) - f.get(k, 0.0)) / steps for k in keep}}, default=str))
+    res = {"tok_s": l["decode_tok_s"], "steps": steps, "hit_rate": l.get("hit_rate"),
+           **{k: (l.get(k, 0.0) - f.get(k, 0.0)) / steps for k in keep}}
+    if a.ref:
+        # reference for the PyTorch check: logits at every prompt position, greedy continuation
+        logits = engine.logits(prompt)
+        np.savez(a.ref, prompt=np.asarray(prompt), argmax=logits.argmax(axis=1), last=logits[-1],
+                 greedy=np.asarray(l.get("ids") or [], dtype=np.int64))
+    if a.prefill > 0:
+        for i, L in enumerate(engine.layers):          # every expert resident before timing
+            if L.kind == "moe":
+                for _ in engine.store.request(i, range(geo["experts_per_layer"])):
+                    pass
+        ids = [int(v) for v in np.random.default_rng(a.seed + 1).integers(1, geo["vocab_size"], a.prefill)]
+        engine.reset_counters()
+        t0 = time.perf_counter()
+        engine.forward(ids, KVCache(engine.spec))
+        dt = time.perf_counter() - t0
+        res["prefill"] = {"tokens": a.prefill, "s": dt, "tok_s": a.prefill / dt,
+                          **{k: engine.counters[k] for k in keep}}
+        res["sgemm_gflops"] = sgemm_gflops(a.prefill)
+    print(json.dumps(res, default=str))
 
 
-def run_child(a, t: int) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--dir", str(a.dir),
-           "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed),
-           "--threads", str(t)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+def _last_json(r: subprocess.CompletedProcess) -> dict:
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode or not lines:
         return {"error": (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]}
     return json.loads(lines[-1])
 
 
+def run_child(a, t: int, ref: Path | None = None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--dir", str(a.dir),
+           "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed),
+           "--threads", str(t), "--prefill", str(a.prefill)]
+    if ref is not None:
+        cmd += ["--ref", str(ref)]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t))
+    return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env))
+
+
+# --- PyTorch (transformers) on the same weights ---------------------------------------------------
+def torch_model(path: Path, log=print):
+    """OlmoeForCausalLM in bfloat16 holding the container's weights (dequantized), built on the
+    meta device and filled tensor by tensor, so peak memory stays near the bfloat16 size."""
+    import gc
+
+    import numpy as np
+    import torch
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRotaryEmbedding
+
+    from core import quant
+    from core.container import Container, tensor_place
+
+    config = OlmoeConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = OlmoeForCausalLM(config).to(torch.bfloat16)
+    c = Container(path)
+
+    def deq(name: str) -> np.ndarray:
+        w = c.load(name)
+        if w.scheme == "int4":
+            return quant.dequantize_int4(w.data, w.scales, w.shape[1], w.group_size)
+        if w.scheme == "int8":
+            return quant.dequantize_int8(w.data, w.scales)
+        return np.asarray(w.data, dtype=np.float32)
+
+    def bf16(a: np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16)
+
+    t0 = time.perf_counter()
+    try:
+        sd = {}
+        for name in c.names():
+            if name.endswith(".qs") or tensor_place(name)[1] is not None:
+                continue
+            sd[name] = bf16(deq(name))
+        E, I, H = config.num_experts, config.intermediate_size, config.hidden_size
+        for i in range(config.num_hidden_layers):
+            gate_up = torch.empty((E, 2 * I, H), dtype=torch.bfloat16)     # [gate; up] per expert
+            down = torch.empty((E, H, I), dtype=torch.bfloat16)
+            p = f"model.layers.{i}.mlp.experts."
+            for e in range(E):
+                gate_up[e, :I] = bf16(deq(f"{p}{e}.gate_proj.weight"))
+                gate_up[e, I:] = bf16(deq(f"{p}{e}.up_proj.weight"))
+                down[e] = bf16(deq(f"{p}{e}.down_proj.weight"))
+            sd[p + "gate_up_proj"], sd[p + "down_proj"] = gate_up, down
+            gc.collect()
+    finally:
+        c.close()
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    del sd
+    if missing or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.model.rotary_emb = OlmoeRotaryEmbedding(config)      # non-persistent buffers: off meta
+    meta = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise RuntimeError(f"buffers left on the meta device: {meta[:4]}")
+    model.eval()
+    log(f"torch model built in {time.perf_counter() - t0:.1f} s "
+        f"(attention {model.config._attn_implementation}, experts {model.config._experts_implementation})")
+    return model
+
+
+def torch_child(a) -> None:
+    import numpy as np
+    import torch
+
+    from core.memory import peak_rss_bytes
+
+    def log(*m):
+        print(*m, file=sys.stderr, flush=True)
+
+    model = torch_model(a.dir, log)
+    ref = np.load(a.ref) if a.ref else None
+    vocab = model.config.vocab_size
+    prompt = [int(v) for v in (ref["prompt"] if ref is not None else
+                               np.random.default_rng(a.seed).integers(1, vocab, a.prompt_len))]
+
+    def step(ids, cache):
+        o = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        return int(o.logits[0, -1].float().argmax()), o.cache
+
+    res = {"runs": {}, "peak_rss_bytes": 0, "attn": model.config._attn_implementation,
+           "experts": model.config._experts_implementation}
+    with torch.inference_mode():
+        o = model(input_ids=torch.tensor([prompt]), use_cache=False)
+        logits = o.logits[0].float().numpy()
+        if ref is not None:
+            last, rlast = logits[-1].astype(np.float64), ref["last"].astype(np.float64)
+            res["check"] = {
+                "agree": int((logits.argmax(axis=1) == ref["argmax"]).sum()), "positions": len(prompt),
+                "cosine_last": float(last @ rlast / (np.linalg.norm(last) * np.linalg.norm(rlast))),
+                "max_abs_last": float(np.abs(last - rlast).max()), "ref_abs_max": float(np.abs(rlast).max())}
+        for t in a.threads_list:
+            torch.set_num_threads(t)
+            tok, cache = step(prompt, None)
+            greedy, times = [tok], []
+            for k in range(a.tokens - 1 + TORCH_WARMUP):
+                t0 = time.perf_counter()
+                tok, cache = step([tok], cache)
+                if k >= TORCH_WARMUP:
+                    times.append(time.perf_counter() - t0)
+                greedy.append(tok)
+            run = {"tok_s": len(times) / sum(times) if times else 0.0, "steps": len(times)}
+            if ref is not None and len(ref["greedy"]):
+                g, rg = greedy[: len(ref["greedy"])], ref["greedy"].tolist()
+                run["greedy_prefix"] = next((k for k, (x, y) in enumerate(zip(g, rg)) if x != y), len(rg))
+                run["greedy_len"] = len(rg)
+            if a.prefill > 0:
+                ids = [int(v) for v in np.random.default_rng(a.seed + 1).integers(1, vocab, a.prefill)]
+                t0 = time.perf_counter()
+                step(ids, None)
+                run["prefill_tok_s"] = a.prefill / (time.perf_counter() - t0)
+            res["runs"][str(t)] = run
+            log(f"torch threads {t}: {run}")
+    res["peak_rss_bytes"] = peak_rss_bytes()
+    print(json.dumps(res, default=str))
+
+
+def run_torch_child(a, threads: list[int], ref: Path | None) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--torch-child", "--dir", str(a.dir),
+           "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed),
+           "--threads", ",".join(map(str, threads)), "--prefill", str(a.prefill)]
+    if ref is not None and ref.exists():
+        cmd += ["--ref", str(ref)]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)  # its log goes to ours
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        return {"error": f"exit {r.returncode} (see its messages above)"}
+    return json.loads(lines[-1])
+
+
+def torch_available() -> str | None:
+    """None when torch and transformers import (in a throwaway process), else why not."""
+    r = subprocess.run([sys.executable, "-c", "import torch, transformers; "
+                        "from transformers import OlmoeForCausalLM"], capture_output=True, text=True)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["import failed"])[-1]
+
+
+# --- the model ------------------------------------------------------------------------------------
 def embed_bytes(path: Path) -> int:
     from core.container import Container
 
@@ -81,6 +296,74 @@ def embed_bytes(path: Path) -> int:
         c.close()
 
 
+def active_params(path: Path) -> tuple[int, int]:
+    """(params a token multiplies through in the decoder layers: attention projections, router,
+    top-k experts; lm_head params)."""
+    import math
+
+    from core.container import Container, tensor_place
+
+    c = Container(path)
+    try:
+        top_k = c.config.get("num_experts_per_tok", 8)
+
+        def params(name):
+            q = c.quant.get(name)
+            return math.prod(q.shape if q is not None else c.index[name][1].shape)
+
+        layer = head = 0
+        for name in c.names():
+            if name.endswith(".qs") or not name.endswith(".weight") or name.endswith("norm.weight"):
+                continue
+            li, e = tensor_place(name)
+            if name == "lm_head.weight":
+                head = params(name)
+            elif li is None:
+                continue                                   # embedding: a row lookup
+            elif e is None:
+                layer += params(name)                      # attention, router, dense MLP
+            elif e < top_k:
+                layer += params(name)                      # top_k experts' worth (all the same size)
+        return layer, head or params("model.embed_tokens.weight")
+    finally:
+        c.close()
+
+
+def truncated_copy(path: Path, layers: int) -> Path:
+    """A temporary container holding the first ``layers`` layers of ``path``: symlinks to their
+    shards and the non-layer shards, a manifest listing only those, num_hidden_layers = layers."""
+    from core.container import MANIFEST, Container, tensor_place
+
+    c = Container(path)
+    try:
+        if not 1 <= layers <= c.config["num_hidden_layers"]:
+            raise SystemExit(f"--layers must be 1..{c.config['num_hidden_layers']}")
+        keep = []
+        for f in c.files:
+            places = {tensor_place(n)[0] for n in f.tensors}
+            if all(p is None or p < layers for p in places):
+                keep.append(f.path.name)
+            elif any(p is None or p < layers for p in places):
+                raise SystemExit(f"{f.path}: a shard mixes layers below and above {layers}")
+        manifest, config = dict(c.manifest), dict(c.config)
+    finally:
+        c.close()
+    out = Path(tempfile.mkdtemp(prefix=f"decode-{layers}L-"))
+    manifest["shards"] = [s for s in manifest["shards"] if s in keep]
+    manifest["tensors"] = {n: q for n, q in manifest.get("tensors", {}).items()
+                           if (tensor_place(n)[0] is None or tensor_place(n)[0] < layers)}
+    config["num_hidden_layers"] = layers
+    for s in manifest["shards"]:
+        (out / s).symlink_to(path.resolve() / s)
+    for extra in path.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (
+                MANIFEST, "config.json") and not extra.name.startswith("."):
+            shutil.copy(extra, out / extra.name)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
@@ -88,27 +371,53 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill", type=int, default=512, help="prefill prompt length (0: skip prefill)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch (transformers) runs")
+    ap.add_argument("--layers", type=int, default=0, help="benchmark only the first N layers")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ref", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         a.threads = int(a.threads)
         child(a)
         return 0
+    if a.torch_child:
+        a.threads_list = [int(v) for v in a.threads.split(",")]
+        torch_child(a)
+        return 0
     path, _, _ = ensure_container(a.dir, a.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="decode-bench-"))
+    try:
+        if a.layers:
+            path = truncated_copy(path, a.layers)
+            a.dir = path
+        return bench(a, path, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if a.layers:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def bench(a, path: Path, tmp: Path) -> int:
     geo = expert_geometry(path)
     emb = embed_bytes(path)
-    hidden = 2048
     touched = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"] - emb \
         + emb // max(1, geo["vocab_size"])
+    layer_params, head_params = active_params(path)
     print("machine:")
     print(format_summary(machine_summary(path)))
     print(f"model: {geo['layers']} layers x {geo['experts_per_layer']} experts of "
           f"{geo['expert_bytes'] / 1e6:.2f} MB (top-{geo['top_k']}), dense {geo['dense_bytes'] / 1e9:.2f} GB "
           f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched / 1e9:.3f} GB")
+    if a.layers:
+        print(f"(--layers {a.layers}: the first {a.layers} layers only)")
+    threads = [int(v) for v in a.threads.split(",")]
+    ref = tmp / "engine_ref.npz"
     rows = []
-    for t in [int(v) for v in a.threads.split(",")]:
+    for t in threads:
         bw = ram_read_gbps(t)
-        res = run_child(a, t)
+        res = run_child(a, t, ref if not rows else None)
         bw = max(bw, ram_read_gbps(t))
         if "error" in res:
             print(f"threads {t}: FAILED: {res['error']}")
@@ -124,7 +433,70 @@ def main(argv=None) -> int:
               f"{step - sum(parts):9.1f}")
     print("(second run's decode steps, experts resident; eff. GB/s = tok/s x bytes touched per "
           "token; per-step ms from the engine's Stats, 'other' = the rest of a step)")
+
+    tres = None
+    if a.no_torch:
+        print("\nPyTorch: skipped (--no-torch)")
+    elif (why := torch_available()) is not None:
+        print(f"\nPyTorch: skipped (torch/transformers not importable: {why}; install the oracle extra)")
+    else:
+        n = _total_params(path)
+        print(f"\nPyTorch: transformers OlmoeForCausalLM, bfloat16: {n / 1e9:.2f} G params = "
+              f"{2 * n / 1e9:.1f} GB (float32 would need {4 * n / 1e9:.1f} GB), the same weights "
+              f"dequantized from the container; building it ...", flush=True)
+        tres = run_torch_child(a, threads, ref)
+        if "error" in tres:
+            print(f"PyTorch: FAILED: {tres['error']}")
+            tres = None
+        else:
+            print(f"PyTorch: attention {tres['attn']}, experts {tres['experts']}, "
+                  f"peak RSS {tres['peak_rss_bytes'] / 2**30:.1f} GiB")
+            ck = tres.get("check")
+            if ck:
+                print(f"check vs our engine ({a.prompt_len}-token prompt): argmax agrees at "
+                      f"{ck['agree']}/{ck['positions']} positions; last-position logits cosine "
+                      f"{ck['cosine_last']:.4f}, max |diff| {ck['max_abs_last']:.3g} "
+                      f"(ours max |logit| {ck['ref_abs_max']:.3g})")
+                for t, run in tres["runs"].items():
+                    if "greedy_prefix" in run:
+                        print(f"  threads {t}: greedy continuation identical for the first "
+                              f"{run['greedy_prefix']}/{run['greedy_len']} tokens")
+
+    flops_tok = 2 * layer_params
+    print(f"\n{'threads':>7} {'tok/s':>7} {'bound':>7} {'ratio':>6} {'pf tok/s':>9} {'pf GFLOP/s':>10} "
+          f"{'sgemm GFLOP/s':>13} {'pf/sgemm':>8} {'torch tok/s':>11} {'torch pf tok/s':>14}")
+    for t, r, bw, bound in rows:
+        pf = r.get("prefill")
+        tr = (tres or {}).get("runs", {}).get(str(t), {})
+        if pf:
+            gf = (flops_tok * pf["tokens"] + 2 * head_params) / pf["s"] / 1e9
+            pcols = f"{pf['tok_s']:9.1f} {gf:10.1f} {r['sgemm_gflops']:13.1f} {gf / r['sgemm_gflops']:8.2f}"
+        else:
+            pcols = f"{'-':>9} {'-':>10} {'-':>13} {'-':>8}"
+        tcols = (f"{tr['tok_s']:11.2f} " + (f"{tr['prefill_tok_s']:14.1f}" if "prefill_tok_s" in tr else f"{'-':>14}")
+                 if tr else f"{'-':>11} {'-':>14}")
+        print(f"{t:7d} {r['tok_s']:7.2f} {bound:7.1f} {r['tok_s'] / bound:6.2f} {pcols} {tcols}")
+    print(f"(ours: int4 experts/attention, int8 lm_head, float32 activations; pf = one {a.prefill}-token "
+          f"prefill, fresh KV cache, every expert resident; GFLOP/s counts 2 x "
+          f"{layer_params / 1e9:.3f} G active params per token (attention projections, router, "
+          f"top-{geo['top_k']} experts) + the lm_head once, no attention scores; sgemm = numpy float32 "
+          f"[{a.prefill}, {SGEMM_SHAPE[0]}] @ [{SGEMM_SHAPE[0]}, {SGEMM_SHAPE[1]}] at the same thread "
+          f"count; torch = transformers bfloat16 on the same (dequantized) weights, decode after "
+          f"{TORCH_WARMUP} warm-up steps; shared 2-core machine: timings are noisy)")
     return 0
+
+
+def _total_params(path: Path) -> int:
+    import math
+
+    from core.container import Container
+
+    c = Container(path)
+    try:
+        return sum(math.prod(c.quant[n].shape if n in c.quant else info.shape)
+                   for n, (_, info) in c.index.items() if not n.endswith(".qs"))
+    finally:
+        c.close()
 
 
 if __name__ == "__main__":
