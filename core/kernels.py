@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -63,6 +64,32 @@ def openmp_enabled() -> bool:
     return bool(_compiled is not None and _compiled.openmp_enabled())
 
 
+# Prefill: an int4 matrix applied to at least this many rows is dequantized to float32 and handed
+# to numpy's sgemm (OpenBLAS), which runs at several times the FLOP rate of the widen-and-FMA
+# kernel once the unpacking is shared by enough rows (benchmarks/README.md). The choice depends on
+# the row count only -- never on placement -- so it cannot make output depend on where experts
+# live. COLI_SGEMM_ROWS overrides it (0: never).
+SGEMM_MIN_ROWS = int(os.environ.get("COLI_SGEMM_ROWS", "32") or 0)
+
+
+def _sgemm_rows(n: int) -> bool:
+    return _compiled is not None and SGEMM_MIN_ROWS > 0 and n >= SGEMM_MIN_ROWS
+
+
+_scratch = threading.local()
+
+
+def _dequantized(w: Weight) -> np.ndarray:
+    """W as float32 in a per-thread buffer reused across calls (fresh pages cost more than the
+    unpacking itself); valid until the thread's next call."""
+    n = w.shape[0] * w.shape[1]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(n, np.float32)
+    return _compiled.q4_dequantize(w.data, w.scales, w.shape[1], w.group_size,
+                                   out=buf[:n].reshape(w.shape))
+
+
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """y = x @ W.T for x float32 [T, I]; returns float32 [T, O]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -70,6 +97,8 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
         return x @ w.data.T
     if w.scheme == "int4":
         cols = w.shape[1]
+        if _sgemm_rows(x.shape[0]):
+            return x @ _dequantized(w).T
         if _compiled is not None:
             return _compiled.q4_matmul(x, w.data, w.scales, cols, w.group_size)
         return quant.matmul_int4_ref(x, w.data, w.scales, cols, w.group_size)
@@ -112,15 +141,23 @@ def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | N
     instead of one per matrix -- with the same bits as separate ``matmul`` calls."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = rows or [(0, x.shape[0])] * len(ws)
-    if ws and _same_int4(ws):
-        w0 = ws[0]
-        return _compiled.q4_matmul_many(x, [(w.data, w.scales) for w in ws], w0.shape[1],
-                                        w0.group_size, rows, outs)
-    res = [matmul(x[t0: t0 + n], w) for w, (t0, n) in zip(ws, rows)]
-    if outs is not None:
-        for o, r in zip(outs, res):
-            o[...] = r
-        return outs
+    res = list(outs) if outs is not None else [None] * len(ws)
+    fused = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
+    done: set[int] = set()
+    if len(fused) > 1 and _same_int4([ws[m] for m in fused]):
+        w0 = ws[fused[0]]
+        got = _compiled.q4_matmul_many(x, [(ws[m].data, ws[m].scales) for m in fused], w0.shape[1],
+                                       w0.group_size, [rows[m] for m in fused],
+                                       None if outs is None else [outs[m] for m in fused])
+        res = [got[fused.index(m)] if m in fused else r for m, r in enumerate(res)]
+        done = set(fused)
+    for m, (w, (t0, n)) in enumerate(zip(ws, rows)):
+        if m not in done:
+            y = matmul(x[t0: t0 + n], w)
+            if outs is None:
+                res[m] = y
+            else:
+                outs[m][...] = y
     return res
 
 

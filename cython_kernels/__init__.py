@@ -10,6 +10,7 @@ try:
         get_num_threads,
         int8_activations,
         openmp_enabled,
+        q4_dequantize,
         q4_matmul,
         q4_matmul_many,
         q8_matmul,
@@ -25,6 +26,6 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "or `pip install -e .` in the colibri checkout"
     ) from exc
 
-__all__ = ["q4_matmul", "q4_matmul_many", "q8_matmul", "expert_swiglu", "set_num_threads", "get_num_threads",
+__all__ = ["q4_matmul", "q4_dequantize", "q4_matmul_many", "q8_matmul", "expert_swiglu", "set_num_threads", "get_num_threads",
            "openmp_enabled", "simd_level", "simd_variants", "set_simd", "set_int8_activations",
            "int8_activations"]

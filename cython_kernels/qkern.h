@@ -1041,4 +1041,30 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
     }
 }
 
+/* ---- int4: dequantize rows [r0, r1) to float32 W[r][cols] (row-major) -------------------------
+ * For prefill with many tokens per matrix: the dequantized rows go to an sgemm, which reaches
+ * several times the FLOP rate of the widen-and-FMA loop.  W = (nibble - 8) * s, exactly as
+ * core.quant.dequantize_int4 (one rounding: the product). */
+static void coli_q4_dequant_rows(const uint8_t *w, const float *s, float *W, coli_idx r0,
+                                 coli_idx r1, coli_idx cols, coli_idx nb, coli_idx ng, coli_idx gs)
+{
+    coli_idx r, g, j;
+    for (r = r0; r < r1; r++) {
+        const uint8_t *wr = w + r * nb;
+        const float *sr = s + r * ng;
+        float *Wr = W + r * cols;
+        for (g = 0; g < ng; g++) {
+            coli_idx e0 = g * gs, e1 = e0 + gs < cols ? e0 + gs : cols;
+            const float sc = sr[g];
+            for (j = e0; j + 1 < e1; j += 2) {       /* e0 is even: whole bytes */
+                uint8_t b = wr[j / 2];
+                Wr[j] = (float)((int)(b & 15) - 8) * sc;
+                Wr[j + 1] = (float)((int)(b >> 4) - 8) * sc;
+            }
+            if (j < e1)                               /* odd cols: the last low nibble */
+                Wr[j] = (float)((int)(wr[j / 2] & 15) - 8) * sc;
+        }
+    }
+}
+
 #endif /* COLI_QKERN_H */

@@ -60,6 +60,9 @@ cdef extern from "qkern.h":
     void coli_q4i8_rows(const uint8_t* w, const float* s, const int8_t* xq, const float* xd,
                         const int32_t* xc, float* y, coli_idx r0, coli_idx r1, coli_idx T,
                         coli_idx O, coli_idx nb, coli_idx ng, coli_idx gs) noexcept nogil
+    void coli_q4_dequant_rows(const uint8_t* w, const float* s, float* W, coli_idx r0,
+                              coli_idx r1, coli_idx cols, coli_idx nb, coli_idx ng,
+                              coli_idx gs) noexcept nogil
     coli_idx coli_q8_block(int level) noexcept nogil
     void coli_q8_prep(const float* x, coli_idx T, coli_idx cols, coli_idx Lp, float* xp) noexcept nogil
     size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp) noexcept nogil
@@ -519,6 +522,34 @@ def q4_matmul_many(x, mats, int cols, int group_size, rows=None, outs=None):
         tns = np.array([rows[m][1] for m in live], dtype=np.intp)
         _q4_many(x, [checked[m] for m in live], [res[m] for m in live], t0s, tns, cols, group_size)
     return res
+
+
+def q4_dequantize(w, s, int cols, int group_size, out=None):
+    """float32 [O, cols] = (nibble - 8) * scale, in parallel over rows (the bits of
+    core.quant.dequantize_int4). out: optional float32 [O, cols] to write into."""
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be even and >= 2, got {group_size}")
+    if cols <= 0:
+        raise ValueError(f"cols must be > 0, got {cols}")
+    w, s = _q4_args(w, s, cols, group_size, None, "w")
+    W = _out(out, w.shape[0], cols, False)
+    _q4_dequant(w, s, W, cols, group_size)
+    return W
+
+
+cdef int _q4_dequant(const unsigned char[:, ::1] w, const float[:, ::1] s, float[:, ::1] W,
+                     Py_ssize_t cols, Py_ssize_t gs) except -1:
+    cdef Py_ssize_t O = w.shape[0], nb = w.shape[1], ng = s.shape[1], rb = 16, b, r1
+    cdef Py_ssize_t nblk = (O + rb - 1) // rb
+    cdef int nt = _threads_for(nblk)
+    if O == 0:
+        return 0
+    for b in prange(nblk, nogil=True, num_threads=nt, schedule="static"):
+        r1 = b * rb + rb
+        if r1 > O:
+            r1 = O
+        coli_q4_dequant_rows(&w[0, 0], &s[0, 0], &W[0, 0], b * rb, r1, cols, nb, ng, gs)
+    return 0
 
 
 def expert_swiglu(x, gate_w, gate_s, up_w, up_s, down_w, down_s, int cols_in, int inter,

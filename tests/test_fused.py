@@ -108,3 +108,23 @@ def test_store_batches_hits_together(containers):
     assert sorted(batches[0]) == [0, 1]
     assert sorted(e for b in batches for e in b) == [0, 1, 2]
     store.close()
+
+
+def test_many_rows_go_through_sgemm_with_its_bits():
+    """A matrix applied to >= SGEMM_MIN_ROWS rows is dequantized and multiplied by numpy: the bits
+    of x @ dequantize_int4(W).T, whichever call (matmul, matmul_many, fused or not) carries it."""
+    from core.quant import dequantize_int4
+    rng = np.random.default_rng(5)
+    n = kernels.SGEMM_MIN_ROWS
+    if not n:
+        pytest.skip("sgemm prefill path switched off (COLI_SGEMM_ROWS=0)")
+    a, b = _w4(rng, 48, 130, 64), _w4(rng, 20, 130, 64)
+    x = rng.standard_normal((n + 3, 130)).astype(np.float32)
+    want = x @ dequantize_int4(a.data, a.scales, 130, 64).T
+    np.testing.assert_array_equal(kernels.matmul(x, a), want)
+    np.testing.assert_array_equal(qm.q4_dequantize(a.data, a.scales, 130, 64),
+                                  dequantize_int4(a.data, a.scales, 130, 64))
+    ya, yb, yc = kernels.matmul_many(x, [a, b, a], [(0, n + 3), (1, 2), (2, 1)])
+    np.testing.assert_array_equal(ya, want)
+    np.testing.assert_array_equal(yb, qm.q4_matmul(x[1:3], b.data, b.scales, 130, 64))
+    np.testing.assert_array_equal(yc, qm.q4_matmul(x[2:3], a.data, a.scales, 130, 64))
