@@ -1044,25 +1044,60 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
 /* ---- int4: dequantize rows [r0, r1) to float32 W[r][cols] (row-major) -------------------------
  * For prefill with many tokens per matrix: the dequantized rows go to an sgemm, which reaches
  * several times the FLOP rate of the widen-and-FMA loop.  W = (nibble - 8) * s, exactly as
- * core.quant.dequantize_int4 (one rounding: the product). */
+ * core.quant.dequantize_int4 (one rounding: the product; every variant gives the same bits). */
+static void coli_q4_dequant_group_portable(const uint8_t *wg, float *Wg, coli_idx n, float sc)
+{
+    coli_idx j;
+    for (j = 0; j + 1 < n; j += 2) {
+        uint8_t b = wg[j / 2];
+        Wg[j] = (float)((int)(b & 15) - 8) * sc;
+        Wg[j + 1] = (float)((int)(b >> 4) - 8) * sc;
+    }
+    if (j < n)                                    /* odd cols: the last low nibble */
+        Wg[j] = (float)((int)(wg[j / 2] & 15) - 8) * sc;
+}
+
+#if COLI_X86
+/* 16 elements (8 bytes) per step: widen, split the nibbles, convert, scale, interleave. */
+COLI_T_AVX2 static void coli_q4_dequant_group_avx2(const uint8_t *wg, float *Wg, coli_idx n,
+                                                   float sc)
+{
+    const __m256i m = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    const __m256 s = _mm256_set1_ps(sc);
+    coli_idx c;
+    for (c = 0; c + 16 <= n; c += 16) {
+        __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + c / 2)));
+        __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, m), eight)), s);
+        __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d, 4), eight)), s);
+        __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);
+        _mm256_storeu_ps(Wg + c, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(Wg + c + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    if (c < n)
+        coli_q4_dequant_group_portable(wg + c / 2, Wg + c, n - c, sc);
+}
+#endif
+
 static void coli_q4_dequant_rows(const uint8_t *w, const float *s, float *W, coli_idx r0,
                                  coli_idx r1, coli_idx cols, coli_idx nb, coli_idx ng, coli_idx gs)
 {
-    coli_idx r, g, j;
+    coli_idx r, g;
+#if COLI_X86
+    int avx2 = coli_simd_supported(COLI_AVX2);
+#endif
     for (r = r0; r < r1; r++) {
         const uint8_t *wr = w + r * nb;
         const float *sr = s + r * ng;
         float *Wr = W + r * cols;
         for (g = 0; g < ng; g++) {
-            coli_idx e0 = g * gs, e1 = e0 + gs < cols ? e0 + gs : cols;
-            const float sc = sr[g];
-            for (j = e0; j + 1 < e1; j += 2) {       /* e0 is even: whole bytes */
-                uint8_t b = wr[j / 2];
-                Wr[j] = (float)((int)(b & 15) - 8) * sc;
-                Wr[j + 1] = (float)((int)(b >> 4) - 8) * sc;
+            coli_idx e0 = g * gs, n = e0 + gs < cols ? gs : cols - e0;   /* e0 is even */
+#if COLI_X86
+            if (avx2) {
+                coli_q4_dequant_group_avx2(wr + e0 / 2, Wr + e0, n, sr[g]);
+                continue;
             }
-            if (j < e1)                               /* odd cols: the last low nibble */
-                Wr[j] = (float)((int)(wr[j / 2] & 15) - 8) * sc;
+#endif
+            coli_q4_dequant_group_portable(wr + e0 / 2, Wr + e0, n, sr[g]);
         }
     }
 }
