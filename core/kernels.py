@@ -14,12 +14,16 @@ import numpy as np
 from . import quant
 from .container import Weight
 
-# OpenMP threads sleep at the end of a parallel region instead of spinning. Spinning saves a few
-# microseconds per region on an idle machine, but when other processes keep the cores busy the
-# spinners and a descheduled team member make every region wait for a time slice: decode with
-# 2 threads fell to 0.2-0.6 tok/s under load (benchmarks/README.md). Read by libgomp when the
-# extension loads; a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads spin only briefly (10,000 polls, tens of microseconds) at the end of a parallel
+# region before they sleep. libgomp's default (300,000) keeps the team spinning between regions:
+# when other processes keep the cores busy the spinners and a descheduled team member make every
+# region wait for a time slice, and 2-thread decode fell to 0.2-1.2 tok/s (1 thread: 6.5).
+# Sleeping at once (OMP_WAIT_POLICY=passive) avoids that but costs a wake-up per region, which
+# on a VM is slow: measured 67-71 ms/token quiet vs 60 ms with the short spin, and 160 ms vs
+# 167 ms under load (benchmarks/README.md). Read by libgomp when the extension loads; a user's
+# own OMP_WAIT_POLICY / GOMP_SPINCOUNT wins. (LLVM's libomp, e.g. macOS: KMP_BLOCKTIME.)
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 _compiled = None
 if os.environ.get("COLI_KERNELS", "").lower() != "numpy":
