@@ -238,7 +238,10 @@ class Engine:
             for r, _ in picks:
                 spans.append((at, len(r)))
                 at += len(r)
-            y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], spans)
+            if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
+                y = kernels.swiglu_many(h, [ffn for _, ffn in batch], [(0, 1)] * len(batch))
+            else:
+                y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], spans)
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         out = contrib[:, 0]
         for r in range(1, top.shape[1]):
