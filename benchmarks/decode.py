@@ -90,6 +90,9 @@ def child(a) -> None:
     from models import open_model
 
     geo = expert_geometry(a.dir)
+    if a.int8_activations:
+        from core import kernels
+        kernels.set_int8_activations(True)
     engine = open_model(a.dir, cap=geo["experts_per_layer"], prefetch=False, threads=a.threads)
     prompt = [int(v) for v in np.random.default_rng(a.seed).integers(1, geo["vocab_size"], a.prompt_len)]
     out = {}
@@ -141,6 +144,8 @@ def run_child(a, t: int, ref: Path | None = None) -> dict:
            "--threads", str(t), "--prefill", str(a.prefill)]
     if ref is not None:
         cmd += ["--ref", str(ref)]
+    if a.int8_activations:
+        cmd.append("--int8-activations")
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t))
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env))
 
@@ -374,6 +379,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt length (0: skip prefill)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch (transformers) runs")
     ap.add_argument("--layers", type=int, default=0, help="benchmark only the first N layers")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="our engine with the opt-in int8-activation kernels (llama.cpp's Q4_0 x Q8_0 kind)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ref", type=Path, default=None, help=argparse.SUPPRESS)
@@ -476,7 +483,8 @@ def bench(a, path: Path, tmp: Path) -> int:
         tcols = (f"{tr['tok_s']:11.2f} " + (f"{tr['prefill_tok_s']:14.1f}" if "prefill_tok_s" in tr else f"{'-':>14}")
                  if tr else f"{'-':>11} {'-':>14}")
         print(f"{t:7d} {r['tok_s']:7.2f} {bound:7.1f} {r['tok_s'] / bound:6.2f} {pcols} {tcols}")
-    print(f"(ours: int4 experts/attention, int8 lm_head, float32 activations; pf = one {a.prefill}-token "
+    acts = "int8 activations (opt-in)" if a.int8_activations else "float32 activations"
+    print(f"(ours: int4 experts/attention, int8 lm_head, {acts}; pf = one {a.prefill}-token "
           f"prefill, fresh KV cache, every expert resident; GFLOP/s counts 2 x "
           f"{layer_params / 1e9:.3f} G active params per token (attention projections, router, "
           f"top-{geo['top_k']} experts) + the lm_head once, no attention scores; sgemm = numpy float32 "
