@@ -45,17 +45,9 @@ def default_threads() -> int:
 
 
 def set_threads(n: int | None) -> None:
-    """Compute threads for the kernels and for numpy's BLAS (the prefill sgemm, the router):
-    None means physical cores. BLAS libraries default to every logical CPU, which would put two
-    threads on one core's SMT siblings and ignore ``--threads``."""
-    n = int(n) if n else default_threads()
+    """Compute threads for the kernels (None: physical cores)."""
     if _compiled is not None:
-        _compiled.set_num_threads(n)
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:      # a dependency, but the engine still runs without it
-        return
-    threadpool_limits(limits=n, user_api="blas")
+        _compiled.set_num_threads(int(n) if n else default_threads())
 
 
 def get_threads() -> int:

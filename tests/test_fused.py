@@ -128,21 +128,3 @@ def test_many_rows_go_through_sgemm_with_its_bits():
     np.testing.assert_array_equal(ya, want)
     np.testing.assert_array_equal(yb, qm.q4_matmul(x[1:3], b.data, b.scales, 130, 64))
     np.testing.assert_array_equal(yc, qm.q4_matmul(x[2:3], a.data, a.scales, 130, 64))
-
-
-def test_threads_limit_numpy_blas_too():
-    """--threads also bounds numpy's BLAS (the sgemm prefill route), not only our OpenMP loops."""
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
-    if not blas:
-        pytest.skip("numpy has no BLAS threadpool here")
-    try:
-        kernels.set_threads(1)
-        assert kernels.get_threads() == 1
-        assert all(i["num_threads"] == 1 for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
-        kernels.set_threads(None)
-        want = kernels.default_threads()     # physical cores
-        assert all(i["num_threads"] == want for i in threadpoolctl.threadpool_info()
-                   if i["user_api"] == "blas")
-    finally:
-        kernels.set_threads(None)
