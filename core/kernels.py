@@ -45,7 +45,10 @@ def default_threads() -> int:
 
 
 def set_threads(n: int | None) -> None:
-    """Compute threads for the kernels (None: physical cores)."""
+    """Compute threads for the kernels (None: physical cores). numpy's BLAS (the prefill sgemm,
+    the router, attention scores) keeps its own default on purpose: OpenBLAS's results depend on
+    its thread count, so tying it to ``--threads`` made logits differ between 1 and 2 threads
+    (tried with threadpoolctl; tests/test_store.py caught it)."""
     if _compiled is not None:
         _compiled.set_num_threads(int(n) if n else default_threads())
 
