@@ -10,8 +10,9 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from core.policies import POLICY_NAMES as POLICIES
+
 APP_NAME = "colibri"
-POLICIES = ("lru", "lfru", "markov", "pinned")
 
 
 def config_dir() -> Path:

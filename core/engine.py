@@ -88,9 +88,12 @@ class _Layer:
         self.window = spec.sliding_windows[i] if spec.sliding_windows else None
 
 
-def _linear(x, w: Weight, bias):
-    y = kernels.matmul(x, w)
+def _biased(y: np.ndarray, bias) -> np.ndarray:
     return y + bias if bias is not None else y
+
+
+def _linear(x, w: Weight, bias):
+    return _biased(kernels.matmul(x, w), bias)
 
 
 class Engine:
@@ -165,7 +168,7 @@ class Engine:
     def _attention(self, i: int, L: _Layer, h, cos, sin, cache: KVCache, pos: np.ndarray):
         s, T = self.spec, h.shape[0]
         q, k, v = kernels.matmul_many(h, [L.q, L.k, L.v])       # one pass over x for all three
-        q, k, v = (y + b if b is not None else y for y, b in ((q, L.q_bias), (k, L.k_bias), (v, L.v_bias)))
+        q, k, v = _biased(q, L.q_bias), _biased(k, L.k_bias), _biased(v, L.v_bias)
         if s.qk_norm == "full":
             q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
         if s.clip_qkv is not None:
@@ -234,14 +237,11 @@ class Engine:
             picks = [np.nonzero(top == e) for e, _ in batch]
             rows = np.concatenate([r for r, _ in picks])
             ranks = np.concatenate([k for _, k in picks])
-            spans, at = [], 0
-            for r, _ in picks:
-                spans.append((at, len(r)))
-                at += len(r)
+            ffns = [ffn for _, ffn in batch]
             if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
-                y = kernels.swiglu_many(h, [ffn for _, ffn in batch], [(0, 1)] * len(batch))
+                y = kernels.swiglu_many(h, ffns, [(0, 1)] * len(batch))
             else:
-                y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], spans)
+                y = kernels.swiglu_many(h[rows], ffns, kernels.spans(len(r) for r, _ in picks))
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         out = contrib[:, 0]
         for r in range(1, top.shape[1]):

@@ -133,7 +133,6 @@ def vector(w: Weight) -> np.ndarray:
     return w.data.astype(np.float32, copy=False)
 
 
-
 def _same_int4(ws: list[Weight]) -> bool:
     """All int4 with one column count and group size: one compiled pass can run them."""
     w0 = ws[0]
@@ -149,45 +148,51 @@ def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | N
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = rows or [(0, x.shape[0])] * len(ws)
     res = list(outs) if outs is not None else [None] * len(ws)
+    # matrices below the sgemm row count share one compiled pass when there are several
     fused = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
-    done: set[int] = set()
-    if len(fused) > 1 and _same_int4([ws[m] for m in fused]):
+    if len(fused) < 2 or not _same_int4([ws[m] for m in fused]):
+        fused = []
+    if fused:
         w0 = ws[fused[0]]
         got = _compiled.q4_matmul_many(x, [(ws[m].data, ws[m].scales) for m in fused], w0.shape[1],
                                        w0.group_size, [rows[m] for m in fused],
                                        None if outs is None else [outs[m] for m in fused])
-        res = [got[fused.index(m)] if m in fused else r for m, r in enumerate(res)]
-        done = set(fused)
-    for m, (w, (t0, n)) in enumerate(zip(ws, rows)):
-        if m not in done:
-            y = matmul(x[t0: t0 + n], w)
-            if outs is None:
-                res[m] = y
-            else:
-                outs[m][...] = y
+        for m, y in zip(fused, got):
+            res[m] = y
+    for m in range(len(ws)):
+        if m in fused:
+            continue
+        t0, n = rows[m]
+        y = matmul(x[t0: t0 + n], ws[m])
+        if outs is None:
+            res[m] = y
+        else:
+            outs[m][...] = y
     return res
+
+
+def spans(counts) -> list[tuple[int, int]]:
+    """(start, count) of consecutive blocks of the given row counts, stacked in order."""
+    out, at = [], 0
+    for n in counts:
+        out.append((at, n))
+        at += n
+    return out
 
 
 def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.ndarray:
     """down(silu(gate(x_e)) * up(x_e)) for each expert e over its rows x[t0:t0+n], stacked in
     expert order ([sum n, H]): gate and up of every expert in one pass, silu once over all of
     them, then every down in one pass. Per row the same operations as ``expert_ffn``."""
-    n = sum(r[1] for r in rows)
+    stacked = spans(n for _, n in rows)
+    total = sum(n for _, n in rows)
     inter = ffns[0].gate.shape[0] if ffns else 0
-    g = np.empty((n, inter), np.float32)
-    u = np.empty((n, inter), np.float32)
-    at, outs, hrows = 0, [], []
-    for f, (_, k) in zip(ffns, rows):
-        outs += [g[at: at + k], u[at: at + k]]
-        hrows.append((at, k))
-        at += k
-    matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)], outs)
+    g = np.empty((total, inter), np.float32)
+    u = np.empty((total, inter), np.float32)
+    matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
+                [a[t: t + n] for t, n in stacked for a in (g, u)])
     with np.errstate(over="ignore"):
         h = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g))) * u
-    y = np.empty((n, ffns[0].down.shape[0] if ffns else 0), np.float32)
-    at, outs = 0, []
-    for _, k in hrows:
-        outs.append(y[at: at + k])
-        at += k
-    matmul_many(h, [f.down for f in ffns], hrows, outs)
+    y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
+    matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
     return y

@@ -31,11 +31,11 @@ from bisect import bisect_right
 from collections import deque
 from typing import Callable, Iterable, Sequence
 
-from core.policies import Policy, make_policy
+from core.policies import POLICY_NAMES, Policy, make_policy
 from core.trace import Trace, requests_per_layer
 from core.usage import counts_from_trace
 
-DEFAULT_POLICIES = ("lru", "lfru", "markov", "pinned")
+DEFAULT_POLICIES = POLICY_NAMES
 
 
 def _check_cap(cap: int) -> None:
