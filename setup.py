@@ -107,7 +107,8 @@ class BuildExt(build_ext):
 
 extensions = cythonize(
     [Extension("cython_kernels.qmatmul", ["cython_kernels/qmatmul.pyx"],
-               include_dirs=["cython_kernels"], depends=["cython_kernels/qkern.h", "cython_kernels/qkern_neon.h"])],
+               include_dirs=["cython_kernels"], depends=["cython_kernels/qkern.h", "cython_kernels/qkern_neon.h",
+                                                       "cython_kernels/layer_ops.h", "cython_kernels/layer_ops.pxi"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
 )
 

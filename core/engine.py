@@ -24,9 +24,8 @@ from .sampling import Sampler, SamplingParams
 from .store import ExpertFFN, ExpertStore
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-    return w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+rms_norm = kernels.rms_norm
+softmax = kernels.softmax
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -34,33 +33,34 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-x)))
 
 
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
 def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
     return kernels.matmul(silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up), ffn.down)
 
 
 class KVCache:
+    """Keys and values per layer, head-major [kv_heads, capacity, D]: one head's positions are
+    contiguous, which is how attention reads them (position-major put every position of a head
+    on its own page at long contexts)."""
+
     def __init__(self, spec: ArchSpec):
-        self.k = [np.empty((0, spec.num_kv_heads, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
-        self.v = [np.empty((0, spec.num_kv_heads, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+        self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+        self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.length = 0     # positions committed (all layers)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k/v for positions [length, length+T) and return views over [0, length+T)."""
+        """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
+        [kv_heads, length+T, D] over [0, length+T)."""
         n = self.length + k.shape[0]
-        if self.k[layer].shape[0] < n:
-            cap = max(n, 2 * self.k[layer].shape[0], 64)
+        if self.k[layer].shape[1] < n:
+            cap = max(n, 2 * self.k[layer].shape[1], 64)
             for store in (self.k, self.v):
-                grown = np.empty((cap,) + store[layer].shape[1:], np.float32)
-                grown[: self.length] = store[layer][: self.length]
+                old = store[layer]
+                grown = np.empty((old.shape[0], cap, old.shape[2]), np.float32)
+                grown[:, : self.length] = old[:, : self.length]
                 store[layer] = grown
-        self.k[layer][self.length: n] = k
-        self.v[layer][self.length: n] = v
-        return self.k[layer][:n], self.v[layer][:n]
+        self.k[layer][:, self.length: n] = k.transpose(1, 0, 2)
+        self.v[layer][:, self.length: n] = v.transpose(1, 0, 2)
+        return self.k[layer][:, :n], self.v[layer][:, :n]
 
 
 class _Layer:
@@ -179,29 +179,14 @@ class Engine:
         v = v.reshape(T, s.num_kv_heads, s.head_dim)
         if s.qk_norm == "per_head":
             q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
-        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
         keys, values = cache.append(i, k, v)
-        G = s.num_heads // s.num_kv_heads
-        qg = q.reshape(T, s.num_kv_heads, G, s.head_dim).transpose(1, 2, 0, 3)       # [kv, G, T, D]
-        scores = np.matmul(qg, keys.transpose(1, 2, 0)[:, None]) * self.scale                  # [kv, G, T, S]
-        kpos = np.arange(keys.shape[0])
-        allowed = kpos[None, :] <= pos[:, None]
-        if L.window is not None:
-            allowed &= kpos[None, :] > pos[:, None] - L.window
-        scores = np.where(allowed[None, None], scores, -np.inf)
-        probs = softmax(scores).astype(np.float32)
-        out = np.matmul(probs, values.transpose(1, 0, 2)[:, None])                             # [kv, G, T, D]
-        out = out.transpose(2, 0, 1, 3).reshape(T, s.num_heads * s.head_dim)
+        out = kernels.attention(q, keys, values, self.scale, pos, L.window)
         return _linear(out, L.o, L.o_bias)
 
     def route(self, L: _Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k experts and their weights for each row of h (softmax over all experts first)."""
-        probs = softmax(h @ L.router.T)
-        top = np.argsort(-probs, axis=1, kind="stable")[:, : self.spec.top_k]
-        weights = np.take_along_axis(probs, top, axis=1)
-        if self.spec.norm_topk_prob:
-            weights = weights / weights.sum(axis=1, keepdims=True)
-        return top, weights.astype(np.float32)
+        return kernels.softmax_topk(h @ L.router.T, self.spec.top_k, self.spec.norm_topk_prob)
 
     def _predict(self, i: int, x: np.ndarray) -> None:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
@@ -218,30 +203,38 @@ class Engine:
 
     def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
         top, weights = self.route(L, h)
-        used = np.unique(top)
-        self.routed[i] = used.tolist()
+        if h.shape[0] == 1:
+            ids = top[0].tolist()       # one position: k distinct experts, strongest first
+            used = sorted(ids)
+            for e in ids:
+                self.usage[(i, e)] = self.usage.get((i, e), 0) + 1
+        else:
+            used = np.unique(top).tolist()
+            for e in used:
+                self.usage[(i, e)] = self.usage.get((i, e), 0) + int((top == e).sum())
+        self.routed[i] = used
         predicted = self._predicted.pop(i, None)
         if predicted is not None:
             self.counters["predicted"] += len(used)
-            self.counters["predicted_hit"] += len(predicted.intersection(used.tolist()))
-        for e in used.tolist():
-            self.usage[(i, e)] = self.usage.get((i, e), 0) + int((top == e).sum())
+            self.counters["predicted_hit"] += len(predicted.intersection(used))
         if self.trace is not None:
             for p, row in zip(pos.tolist(), top.tolist()):
                 self.trace.record(p, i, row)
-        contrib = np.zeros((h.shape[0], top.shape[1], h.shape[1]), np.float32)
         # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
         # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
         # slots and are summed in rank order, so arrival and grouping cannot change the output.
-        for batch in self.store.request_batches(i, used.tolist()):
+        contrib = np.empty((h.shape[0], top.shape[1], h.shape[1]), np.float32)
+        for batch in self.store.request_batches(i, used):
+            if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
+                y = kernels.swiglu_many(h, [ffn for _, ffn in batch], [(0, 1)] * len(batch))
+                for (e, _), row in zip(batch, y):
+                    r = ids.index(e)
+                    contrib[0, r] = row * weights[0, r]
+                continue
             picks = [np.nonzero(top == e) for e, _ in batch]
             rows = np.concatenate([r for r, _ in picks])
             ranks = np.concatenate([k for _, k in picks])
-            ffns = [ffn for _, ffn in batch]
-            if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
-                y = kernels.swiglu_many(h, ffns, [(0, 1)] * len(batch))
-            else:
-                y = kernels.swiglu_many(h[rows], ffns, kernels.spans(len(r) for r, _ in picks))
+            y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         out = contrib[:, 0]
         for r in range(1, top.shape[1]):

@@ -196,3 +196,70 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.nd
     y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
     matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
     return y
+
+
+# --- the per-layer operations around the products ----------------------------------------------
+# Compiled (cython_kernels/layer_ops.h) when the extension is there; the numpy expressions below
+# are the reference (COLI_KERNELS=numpy, and what the tests compare against).
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """w * x / sqrt(mean(x^2) + eps) over the last axis."""
+    if _compiled is None:
+        var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+        return w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    return _compiled.rms_norm(x2, np.ascontiguousarray(w, dtype=np.float32), eps).reshape(x.shape)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary embedding of x [T, heads, D] (cos / sin [T, D]), rotate_half convention. May
+    overwrite x (callers pass a temporary); the same bits either way."""
+    if _compiled is None:
+        half = x.shape[-1] // 2
+        rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos[:, None, :] + rot * sin[:, None, :]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    _compiled.rope_(x, np.ascontiguousarray(cos, dtype=np.float32),
+                    np.ascontiguousarray(sin, dtype=np.float32))
+    return x
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.float32,
+              pos: np.ndarray, window: int | None) -> np.ndarray:
+    """Causal attention (optionally a sliding window) of q [T, heads, D] at positions pos against
+    the cache keys / values [kv_heads, S, D]; returns [T, heads * D]. Query head h reads kv head
+    h // (heads // kv_heads)."""
+    T, H, D = q.shape
+    KV = keys.shape[0]
+    if T == 1 and _compiled is not None:
+        lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
+        return _compiled.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), keys, values,
+                                    float(scale), lo)
+    qg = q.reshape(T, KV, H // KV, D).transpose(1, 2, 0, 3)                             # [kv, G, T, D]
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)[:, None]) * scale                    # [kv, G, T, S]
+    kpos = np.arange(keys.shape[1])
+    allowed = kpos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= kpos[None, :] > pos[:, None] - window
+    scores = np.where(allowed[None, None], scores, -np.inf)
+    probs = softmax(scores).astype(np.float32)
+    out = np.matmul(probs, values[:, None])                                             # [kv, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(T, H * D)
+
+
+def softmax_topk(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router: softmax per row of logits [T, E], the k most probable experts (ties: the lower
+    index first) and their probabilities, renormalised to sum 1 when norm."""
+    if _compiled is not None:
+        return _compiled.softmax_topk(np.ascontiguousarray(logits, dtype=np.float32), k, norm)
+    probs = softmax(logits)
+    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, top, axis=1)
+    if norm:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return top, weights.astype(np.float32)

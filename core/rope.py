@@ -1,4 +1,5 @@
-"""Rotary position embeddings, computed the way transformers does (float32, rotate_half)."""
+"""Rotary position embeddings, computed the way transformers does (float32, rotate_half); applied by
+``core.kernels.rope``."""
 from __future__ import annotations
 
 import math
@@ -57,13 +58,6 @@ class Rope:
         freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
         emb = np.concatenate([freqs, freqs], axis=-1)
         return np.cos(emb) * self.attention_scaling, np.sin(emb) * self.attention_scaling
-
-    @staticmethod
-    def apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x [T, heads, D]; cos/sin [T, D]."""
-        half = x.shape[-1] // 2
-        rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
 def _llama3(inv_freq: np.ndarray, p: dict) -> np.ndarray:

@@ -587,3 +587,7 @@ def expert_swiglu(x, gate_w, gate_s, up_w, up_s, down_w, down_s, int cols_in, in
     h *= u
     _q4_impl(h, down_w, down_s, y.reshape(T, H), inter, group_size)
     return y
+
+
+# --- the per-layer operations around the products (rms_norm, rope_, attend_one, softmax_topk) ---
+include "layer_ops.pxi"

@@ -124,6 +124,17 @@ def write_hf_model(directory: Path, cfg: dict, tensors: dict[str, np.ndarray] | 
 
 
 @pytest.fixture
+def kernel_settings():
+    """Restore the compiled kernels' global settings (threads, SIMD variant, int8 activations)
+    that a test changed."""
+    yield
+    from cython_kernels import qmatmul
+    qmatmul.set_num_threads(0)
+    qmatmul.set_simd("auto")
+    qmatmul.set_int8_activations(False)
+
+
+@pytest.fixture
 def tiny_model(tmp_path) -> Path:
     return write_hf_model(tmp_path / "src", tiny_config())
 

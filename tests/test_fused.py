@@ -16,12 +16,7 @@ from tests.conftest import oracle_names
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    qm.set_num_threads(0)
-    qm.set_simd("auto")
-    qm.set_int8_activations(False)
+pytestmark = pytest.mark.usefixtures("kernel_settings")
 
 
 def _w4(rng, O, cols, gs):

@@ -15,12 +15,7 @@ from core.quant import (
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    yield
-    qm.set_num_threads(0)
-    qm.set_simd("auto")
-    qm.set_int8_activations(False)
+pytestmark = pytest.mark.usefixtures("kernel_settings")
 
 
 ALL_VARIANTS = ["portable", "avx2", "avx512", "neon"]

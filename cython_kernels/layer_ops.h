@@ -1,0 +1,246 @@
+/* The small operations around the matrix products of a decode step: RMS norm, rotary embedding,
+ * attention of one query row against the KV cache, and the router's softmax + top-k.
+ *
+ * Why in C: each is microseconds of arithmetic, but as numpy expressions a layer took ~30 array
+ * operations (temporaries, broadcasting, masks) -- ~1 ms of a ~60 ms token on the OLMoE geometry
+ * (benchmarks/README.md). Plain C, no intrinsics: the loops are written with fixed-width lane
+ * arrays that compilers auto-vectorize, and every output is summed in an order fixed by the shapes
+ * alone, so results never depend on the thread count (the attention splits whole heads between
+ * threads). The attention has an AVX2 variant (x86-64, picked at run time like qkern.h's) that
+ * runs the same per-lane operations four keys at a time: the same bits as the portable loops. Built with -ffp-contract=off like qkern.h, so the rotary embedding gives exactly the
+ * bits of the numpy expression it replaces (core.rope.Rope.apply); the others agree with their
+ * numpy references (core.kernels) to float32 rounding.
+ */
+#ifndef COLI_LAYER_OPS_H
+#define COLI_LAYER_OPS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "qkern.h"      /* coli_idx, COLI_X86 / COLI_T_AVX2, the level numbers */
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef coli_idx coli_ix;
+
+enum { COLI_LN = 8 };   /* lanes of the vectorizable reductions */
+
+static float coli_lane_fold(const float *a)
+{
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+static float coli_dot(const float *a, const float *b, coli_ix n)
+{
+    float acc[COLI_LN] = {0};
+    coli_ix i, l, n8 = n / COLI_LN * COLI_LN;
+    for (i = 0; i < n8; i += COLI_LN)
+        for (l = 0; l < COLI_LN; l++)
+            acc[l] += a[i + l] * b[i + l];
+    for (l = 0; i + l < n; l++)
+        acc[l] += a[i + l] * b[i + l];
+    return coli_lane_fold(acc);
+}
+
+/* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r of n elements (the sum of squares in
+ * double: as exact as float32 can hold the mean). */
+static void coli_rms_norm(const float *x, const float *w, float *y, coli_ix rows, coli_ix n,
+                          float eps)
+{
+    coli_ix r, i, l;
+    for (r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double acc[4] = {0.0, 0.0, 0.0, 0.0}, ss;
+        float inv;
+        for (i = 0; i + 4 <= n; i += 4)
+            for (l = 0; l < 4; l++)
+                acc[l] += (double)xr[i + l] * (double)xr[i + l];
+        for (; i < n; i++)
+            acc[0] += (double)xr[i] * (double)xr[i];
+        ss = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+        inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        for (i = 0; i < n; i++)
+            yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* In place, x [T][H][D], cos / sin [T][D]: x * cos + rotate_half(x) * sin, rotate_half(x) =
+ * (-x2, x1) -- the same two products and one sum per element as the numpy expression. */
+static void coli_rope(float *x, const float *cs, const float *sn, coli_ix T, coli_ix H, coli_ix D)
+{
+    coli_ix t, h, i, half = D / 2;
+    for (t = 0; t < T; t++) {
+        const float *c = cs + t * D, *s = sn + t * D;
+        for (h = 0; h < H; h++) {
+            float *v = x + (t * H + h) * D;
+            for (i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* One head: out[D] = softmax(scale * q . K[j]) . V[j] over cache rows j in [lo, S) (rows of D
+ * contiguous floats). p: S - lo floats of scratch. */
+static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
+                             coli_ix S, float scale, float *p, float *out)
+{
+    coli_ix j, d, n = S - lo;
+    float m = -INFINITY, sum = 0.0f;
+    for (j = 0; j < n; j++) {
+        p[j] = coli_dot(q, K + (lo + j) * D, D) * scale;
+        if (p[j] > m)
+            m = p[j];
+    }
+    for (j = 0; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    for (d = 0; d < D; d++)
+        out[d] = 0.0f;
+    for (j = 0; j < n; j++) {
+        const float *v = V + (lo + j) * D;
+        float pj = p[j] / sum;
+        for (d = 0; d < D; d++)
+            out[d] += pj * v[d];
+    }
+}
+
+#if COLI_X86
+/* The AVX2 variant of coli_attend_head (D % 8 == 0): per key the 8 lanes of coli_dot, four keys
+ * at a time (four add chains instead of one); values as the portable loop, 8 at a time. */
+COLI_T_AVX2 static void coli_attend_head_avx2(const float *q, const float *K, const float *V,
+                                              coli_ix D, coli_ix lo, coli_ix S, float scale,
+                                              float *p, float *out)
+{
+    coli_ix j, d, n = S - lo;
+    float m = -INFINITY, sum = 0.0f, lanes[4][COLI_LN];
+    for (j = 0; j + 4 <= n; j += 4) {
+        const float *k = K + (lo + j) * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (d = 0; d < D; d += 8) {
+            __m256 x = _mm256_loadu_ps(q + d);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, _mm256_loadu_ps(k + d)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(x, _mm256_loadu_ps(k + D + d)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(x, _mm256_loadu_ps(k + 2 * D + d)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(x, _mm256_loadu_ps(k + 3 * D + d)));
+        }
+        _mm256_storeu_ps(lanes[0], a0);
+        _mm256_storeu_ps(lanes[1], a1);
+        _mm256_storeu_ps(lanes[2], a2);
+        _mm256_storeu_ps(lanes[3], a3);
+        for (d = 0; d < 4; d++)
+            p[j + d] = coli_lane_fold(lanes[d]) * scale;
+    }
+    for (; j < n; j++)
+        p[j] = coli_dot(q, K + (lo + j) * D, D) * scale;
+    for (j = 0; j < n; j++)
+        if (p[j] > m)
+            m = p[j];
+    for (j = 0; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    for (d = 0; d < D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_setzero_ps());
+    for (j = 0; j < n; j++) {
+        const float *v = V + (lo + j) * D;
+        __m256 pj = _mm256_set1_ps(p[j] / sum);
+        for (d = 0; d < D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d),
+                                                    _mm256_mul_ps(pj, _mm256_loadu_ps(v + d))));
+    }
+}
+#endif
+
+/* Attention of one query position (decode): q [H][D]; K / V: the cache of kv head g at
+ * K + g * ks (resp. V + g * vs), positions 0..S-1 of D floats each (rows before lo are outside a
+ * sliding window); out [H][D]. Query head h reads kv head h / (H / KV). Heads are split between
+ * nt threads; each head is computed by one thread. level: qkern.h's SIMD level (AVX2 and
+ * AVX-512 run the AVX2 variant). Returns -1 when scratch cannot be allocated. */
+static int coli_attend_one(const float *q, const float *K, const float *V, coli_ix ks, coli_ix vs,
+                           float *out, coli_ix H, coli_ix KV, coli_ix D, coli_ix lo, coli_ix S,
+                           float scale, int nt, int level)
+{
+    coli_ix n = S - lo, G = H / KV, h;
+    int avx2 = 0;
+    float *p;
+    if (n <= 0) {
+        for (h = 0; h < H * D; h++)
+            out[h] = 0.0f;
+        return 0;
+    }
+#if COLI_X86
+    avx2 = (level == COLI_AVX2 || level == COLI_AVX512) && D % 8 == 0;
+#endif
+    (void)level;
+    p = (float *)malloc(sizeof(float) * (size_t)(H * n));
+    if (p == NULL)
+        return -1;
+    /* a parallel region costs more than a short context's whole attention */
+    if (nt < 2 || n * H * D < (coli_ix)1 << 18)
+        nt = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#endif
+    for (h = 0; h < H; h++) {
+#if COLI_X86
+        if (avx2) {
+            coli_attend_head_avx2(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
+                                  p + h * n, out + h * D);
+            continue;
+        }
+#endif
+        coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
+                         p + h * n, out + h * D);
+    }
+    free(p);
+    return 0;
+}
+
+/* Router: per row of logits [T][E], probs = softmax; top[k] = the k largest (ties: lower expert
+ * first, as a stable sort of -probs); wts = their probs, divided by their sum when norm. */
+static void coli_softmax_topk(const float *logits, coli_ix T, coli_ix E, coli_ix k, int norm,
+                              float *probs, int64_t *top, float *wts)
+{
+    coli_ix t, e, r;
+    for (t = 0; t < T; t++) {
+        const float *x = logits + t * E;
+        float *p = probs + t * E, m = -INFINITY, sum = 0.0f, ws = 0.0f;
+        int64_t *tt = top + t * k;
+        float *wt = wts + t * k;
+        for (e = 0; e < E; e++)
+            if (x[e] > m)
+                m = x[e];
+        for (e = 0; e < E; e++) {
+            p[e] = expf(x[e] - m);
+            sum += p[e];
+        }
+        for (e = 0; e < E; e++)
+            p[e] = p[e] / sum;
+        for (r = 0; r < k; r++) {
+            coli_ix best = -1, q;
+            for (e = 0; e < E; e++) {
+                int taken = 0;
+                for (q = 0; q < r; q++)
+                    taken |= tt[q] == e;
+                if (!taken && (best < 0 || p[e] > p[best]))
+                    best = e;
+            }
+            tt[r] = best;
+            wt[r] = p[best];
+            ws += p[best];
+        }
+        if (norm)
+            for (r = 0; r < k; r++)
+                wt[r] = wt[r] / ws;
+    }
+}
+
+#endif

@@ -1,0 +1,79 @@
+# The per-layer operations of a decode step (layer_ops.h), included by qmatmul.pyx so the binary
+# ships one extension. Arguments are C-contiguous float32 (core.kernels makes them so).
+from libc.stdint cimport int64_t
+
+cdef extern from "layer_ops.h":
+    void coli_rms_norm(const float* x, const float* w, float* y, Py_ssize_t rows, Py_ssize_t n,
+                       float eps) noexcept nogil
+    void coli_rope(float* x, const float* cs, const float* sn, Py_ssize_t T, Py_ssize_t H,
+                   Py_ssize_t D) noexcept nogil
+    int coli_attend_one(const float* q, const float* K, const float* V, Py_ssize_t ks,
+                        Py_ssize_t vs, float* out, Py_ssize_t H, Py_ssize_t KV, Py_ssize_t D,
+                        Py_ssize_t lo, Py_ssize_t S, float scale, int nt, int level) noexcept nogil
+    void coli_softmax_topk(const float* logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
+                           int norm, float* probs, int64_t* top, float* wts) noexcept nogil
+
+
+def rms_norm(const float[:, ::1] x, const float[::1] w, float eps):
+    """w * x / sqrt(mean(x^2) + eps) per row of x [rows, n]; a new array."""
+    cdef Py_ssize_t rows = x.shape[0], n = x.shape[1]
+    if w.shape[0] != n:
+        raise ValueError(f"rms_norm: weight has {w.shape[0]} elements, rows have {n}")
+    y = np.empty((rows, n), np.float32)
+    cdef float[:, ::1] yv = y
+    if rows and n:
+        with nogil:
+            coli_rms_norm(&x[0, 0], &w[0], &yv[0, 0], rows, n, eps)
+    return y
+
+
+def rope_(float[:, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin):
+    """Rotary embedding in place: x [T, heads, D], cos / sin [T, D]."""
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], D = x.shape[2]
+    if cos.shape[0] != T or sin.shape[0] != T or cos.shape[1] != D or sin.shape[1] != D or D % 2:
+        raise ValueError("rope: cos / sin must be [T, D] for x [T, heads, D] with D even")
+    if T and H and D:
+        with nogil:
+            coli_rope(&x[0, 0, 0], &cos[0, 0], &sin[0, 0], T, H, D)
+
+
+def attend_one(const float[:, ::1] q, const float[:, :, :] keys, const float[:, :, :] values,
+               float scale, Py_ssize_t lo):
+    """Attention of one query position: q [heads, D] against the cache keys / values
+    [kv_heads, S, D] (each head's rows contiguous, any stride between heads) at positions lo..S-1; returns
+    [1, heads * D]."""
+    cdef Py_ssize_t H = q.shape[0], D = q.shape[1], KV = keys.shape[0], S = keys.shape[1]
+    cdef int nt = get_num_threads(), rc = 0
+    if (keys.shape[2] != D or values.shape[0] != KV or values.shape[1] != S
+            or values.shape[2] != D or KV == 0 or H % KV or not 0 <= lo <= S
+            or keys.strides[1] != D * 4 or values.strides[1] != D * 4
+            or keys.strides[2] != 4 or values.strides[2] != 4):
+        raise ValueError("attend_one: shapes of q, keys and values do not match")
+    out = np.empty((1, H * D), np.float32)
+    cdef float[:, ::1] ov = out
+    cdef Py_ssize_t ks = keys.strides[0] // 4, vs = values.strides[0] // 4
+    if H and D:
+        with nogil:
+            rc = coli_attend_one(&q[0, 0], &keys[0, 0, 0] if S else NULL,
+                                 &values[0, 0, 0] if S else NULL, ks, vs, &ov[0, 0], H, KV, D,
+                                 lo, S, scale, nt, _level)
+    if rc:
+        raise MemoryError()
+    return out
+
+
+def softmax_topk(const float[:, ::1] logits, Py_ssize_t k, bint norm):
+    """Per row: softmax, then the k most probable experts (ties: lower index first) and their
+    probabilities (divided by their sum when norm). Returns (top int64 [T, k], weights [T, k])."""
+    cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1]
+    if not 0 < k <= E:
+        raise ValueError(f"softmax_topk: k={k} with {E} experts")
+    probs = np.empty((T, E), np.float32)
+    top = np.empty((T, k), np.int64)
+    wts = np.empty((T, k), np.float32)
+    cdef float[:, ::1] pv = probs, wv = wts
+    cdef int64_t[:, ::1] tv = top
+    if T:
+        with nogil:
+            coli_softmax_topk(&logits[0, 0], T, E, k, norm, &pv[0, 0], &tv[0, 0], &wv[0, 0])
+    return top, wts

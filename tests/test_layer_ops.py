@@ -1,0 +1,124 @@
+"""The compiled per-layer operations of a decode step (cython_kernels/layer_ops.h) against their
+numpy references in core.kernels: RMS norm, rotary embedding (bit for bit), one-position attention
+(every SIMD variant and thread count giving the same bits), the router's softmax + top-k, and the
+head-major KV cache."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core import kernels
+from core.engine import KVCache
+from core.rope import Rope
+
+qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
+
+
+pytestmark = pytest.mark.usefixtures("kernel_settings")
+
+
+def _numpy(fn, *args):
+    """fn with the compiled extension switched off (the reference path)."""
+    saved, kernels._compiled = kernels._compiled, None
+    try:
+        return fn(*args)
+    finally:
+        kernels._compiled = saved
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 7), (3, 4, 64), (1, 1)])
+def test_rms_norm_matches_numpy(shape):
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got = kernels.rms_norm(x, w, 1e-6)
+    want = _numpy(kernels.rms_norm, x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_rms_norm_takes_views_and_rejects_a_wrong_weight():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 32)).astype(np.float32)[::2]        # not contiguous
+    w = np.ones(32, np.float32)
+    np.testing.assert_allclose(kernels.rms_norm(x, w, 1e-5), _numpy(kernels.rms_norm, x, w, 1e-5),
+                               rtol=2e-6)
+    with pytest.raises(ValueError):
+        qm.rms_norm(np.ascontiguousarray(x), np.ones(31, np.float32), 1e-5)
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 16, 128), (7, 3, 64), (2, 1, 6)])
+def test_rope_gives_the_bits_of_the_numpy_expression(T, H, D):
+    rng = np.random.default_rng(T * H * D)
+    x = rng.standard_normal((T, H, D)).astype(np.float32)
+    cos, sin = Rope({"rope_theta": 10000.0}, D).cos_sin(np.arange(40, 40 + T))
+    want = _numpy(kernels.rope, x.copy(), cos, sin)
+    got = kernels.rope(x.copy(), cos, sin)
+    np.testing.assert_array_equal(got, want)
+
+
+def _cache(rng, KV, S, D, spare=5):
+    """Keys / values as the KV cache holds them: views [KV, S, D] of a larger buffer."""
+    k = rng.standard_normal((KV, S + spare, D)).astype(np.float32)
+    v = rng.standard_normal((KV, S + spare, D)).astype(np.float32)
+    return k[:, :S], v[:, :S]
+
+
+@pytest.mark.parametrize("H,KV,D,S,window", [(16, 16, 128, 1, None), (16, 16, 128, 300, None),
+                                             (8, 2, 64, 57, None), (4, 4, 64, 40, 7),
+                                             (6, 3, 12, 33, None), (2, 1, 8, 600, 100)])
+def test_attention_one_position_matches_numpy(H, KV, D, S, window):
+    rng = np.random.default_rng(H + KV + D + S)
+    keys, values = _cache(rng, KV, S, D)
+    q = rng.standard_normal((1, H, D)).astype(np.float32)
+    pos = np.array([S - 1])
+    scale = np.float32(D ** -0.5)
+    want = _numpy(kernels.attention, q, keys, values, scale, pos, window)
+    outs = []
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        for threads in (1, 2):
+            qm.set_num_threads(threads)
+            got = kernels.attention(q, keys, values, scale, pos, window)
+            assert got.shape == (1, H * D) and got.dtype == np.float32
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+            outs.append(got)
+    for got in outs[1:]:          # every variant and thread count: the same bits
+        np.testing.assert_array_equal(got, outs[0])
+
+
+def test_attention_rejects_mismatched_shapes():
+    rng = np.random.default_rng(3)
+    keys, values = _cache(rng, 2, 10, 8)
+    with pytest.raises(ValueError):
+        qm.attend_one(np.zeros((3, 8), np.float32), keys, values, 1.0, 0)     # 3 heads, 2 kv
+    with pytest.raises(ValueError):
+        qm.attend_one(np.zeros((2, 8), np.float32), keys, values[:, :9], 1.0, 0)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("T,E,k", [(1, 64, 8), (5, 32, 4), (3, 8, 8), (2, 128, 1)])
+def test_softmax_topk_matches_numpy(T, E, k, norm):
+    rng = np.random.default_rng(T * E + k)
+    logits = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+    logits[0, 3] = logits[0, 5] = logits[0].max() + 1          # a tie: the lower expert first
+    top, w = kernels.softmax_topk(logits, k, norm)
+    rtop, rw = _numpy(kernels.softmax_topk, logits, k, norm)
+    np.testing.assert_array_equal(top, rtop)
+    assert top[0, 0] == 3 and (k == 1 or top[0, 1] == 5)
+    assert w.dtype == np.float32 and top.dtype == np.int64
+    np.testing.assert_allclose(w, rw, rtol=2e-6)
+
+
+def test_kv_cache_grows_and_keeps_what_it_holds():
+    class Spec:
+        num_layers, num_kv_heads, head_dim = 2, 3, 4
+    cache = KVCache(Spec)
+    rng = np.random.default_rng(0)
+    ks = rng.standard_normal((150, 3, 4)).astype(np.float32)
+    got = None
+    for start, n in [(0, 40), (40, 30), (70, 1), (71, 79)]:
+        got, _ = cache.append(1, ks[start: start + n], ks[start: start + n])
+        cache.length += n
+    assert got.shape == (3, 150, 4)
+    np.testing.assert_array_equal(got, ks.transpose(1, 0, 2))
