@@ -18,7 +18,7 @@ from .arch import ArchSpec
 from .container import Container, Weight
 from .errors import ColiError
 from .events import Done, Stats, Token
-from .memory import peak_rss_bytes
+from .memory import lazy_array, peak_rss_bytes
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
 from .store import ExpertFFN, ExpertStore
@@ -40,22 +40,31 @@ def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
 class KVCache:
     """Keys and values per layer, head-major [kv_heads, capacity, D]: one head's positions are
     contiguous, which is how attention reads them (position-major put every position of a head
-    on its own page at long contexts)."""
+    on its own page at long contexts).
+
+    The first append reserves RESERVE positions (or the model's maximum, if smaller) at once, in
+    an anonymous mapping (core.memory.lazy_array): address space only until positions are
+    written, so RSS grows with the context and a growing array's copies are gone (doubling from
+    64 positions stalled decode for 0.3-0.4 s at 256 and 512 positions of the OLMoE geometry).
+    Past the reservation it doubles."""
+
+    RESERVE = 4096
 
     def __init__(self, spec: ArchSpec):
         self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.length = 0     # positions committed (all layers)
+        self.reserve = min(getattr(spec, "max_position_embeddings", 0) or self.RESERVE, self.RESERVE)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
         [kv_heads, length+T, D] over [0, length+T)."""
         n = self.length + k.shape[0]
         if self.k[layer].shape[1] < n:
-            cap = max(n, 2 * self.k[layer].shape[1], 64)
+            cap = max(n, 2 * self.k[layer].shape[1], self.reserve)
             for store in (self.k, self.v):
                 old = store[layer]
-                grown = np.empty((old.shape[0], cap, old.shape[2]), np.float32)
+                grown = lazy_array((old.shape[0], cap, old.shape[2]))
                 grown[:, : self.length] = old[:, : self.length]
                 store[layer] = grown
         self.k[layer][:, self.length: n] = k.transpose(1, 0, 2)

@@ -112,7 +112,7 @@ def test_softmax_topk_matches_numpy(T, E, k, norm):
 
 def test_kv_cache_grows_and_keeps_what_it_holds():
     class Spec:
-        num_layers, num_kv_heads, head_dim = 2, 3, 4
+        num_layers, num_kv_heads, head_dim, max_position_embeddings = 2, 3, 4, 16   # reserve 16
     cache = KVCache(Spec)
     rng = np.random.default_rng(0)
     ks = rng.standard_normal((150, 3, 4)).astype(np.float32)
@@ -122,3 +122,20 @@ def test_kv_cache_grows_and_keeps_what_it_holds():
         cache.length += n
     assert got.shape == (3, 150, 4)
     np.testing.assert_array_equal(got, ks.transpose(1, 0, 2))
+
+
+def test_kv_cache_reservation_costs_no_memory_until_written():
+    """The reserved positions are address space only: RSS grows with what is written (the
+    OLMoE geometry reserves 1 GiB of it; one position is 256 KiB)."""
+    psutil = pytest.importorskip("psutil")
+
+    class Spec:
+        num_layers, num_kv_heads, head_dim, max_position_embeddings = 16, 16, 128, 4096
+    cache = KVCache(Spec)
+    k = np.ones((1, 16, 128), np.float32)
+    before = psutil.Process().memory_info().rss
+    for layer in range(16):
+        keys, _ = cache.append(layer, k, k)
+    grown = psutil.Process().memory_info().rss - before
+    assert cache.k[0].shape == (16, 4096, 128) and keys.shape == (16, 1, 128)
+    assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB for one position"
