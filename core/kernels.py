@@ -88,13 +88,17 @@ _scratch = threading.local()
 
 def _dequantized(w: Weight) -> np.ndarray:
     """W as float32 in a per-thread buffer reused across calls (fresh pages cost more than the
-    unpacking itself); valid until the thread's next call."""
+    unpacking itself); valid until the thread's next call. Unpacked on the calling thread alone:
+    after each sgemm OpenBLAS's worker threads keep spinning for a while, and an OpenMP team on
+    the same cores then waits for time slices (1024x2048: 0.16 ms with 2 threads on an idle
+    machine, 0.83 ms between sgemm calls, 0.36 ms on one thread; 512-token prefill of the OLMoE
+    geometry 8-10 % faster, benchmarks/README.md)."""
     n = w.shape[0] * w.shape[1]
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < n:
         buf = _scratch.buf = np.empty(n, np.float32)
     return _compiled.q4_dequantize(w.data, w.scales, w.shape[1], w.group_size,
-                                   out=buf[:n].reshape(w.shape))
+                                   out=buf[:n].reshape(w.shape), threads=1)
 
 
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:

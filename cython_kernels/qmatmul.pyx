@@ -524,24 +524,27 @@ def q4_matmul_many(x, mats, int cols, int group_size, rows=None, outs=None):
     return res
 
 
-def q4_dequantize(w, s, int cols, int group_size, out=None):
+def q4_dequantize(w, s, int cols, int group_size, out=None, int threads=0):
     """float32 [O, cols] = (nibble - 8) * scale, in parallel over rows (the bits of
-    core.quant.dequantize_int4). out: optional float32 [O, cols] to write into."""
+    core.quant.dequantize_int4). out: optional float32 [O, cols] to write into; threads: at
+    most this many (0: the kernels' setting)."""
     if group_size < 2 or group_size % 2:
         raise ValueError(f"group_size must be even and >= 2, got {group_size}")
     if cols <= 0:
         raise ValueError(f"cols must be > 0, got {cols}")
     w, s = _q4_args(w, s, cols, group_size, None, "w")
     W = _out(out, w.shape[0], cols, False)
-    _q4_dequant(w, s, W, cols, group_size)
+    _q4_dequant(w, s, W, cols, group_size, threads)
     return W
 
 
 cdef int _q4_dequant(const unsigned char[:, ::1] w, const float[:, ::1] s, float[:, ::1] W,
-                     Py_ssize_t cols, Py_ssize_t gs) except -1:
+                     Py_ssize_t cols, Py_ssize_t gs, int threads) except -1:
     cdef Py_ssize_t O = w.shape[0], nb = w.shape[1], ng = s.shape[1], rb = 16, b, r1
     cdef Py_ssize_t nblk = (O + rb - 1) // rb
     cdef int nt = _threads_for(nblk)
+    if 0 < threads < nt:
+        nt = threads
     if O == 0:
         return 0
     for b in prange(nblk, nogil=True, num_threads=nt, schedule="static"):

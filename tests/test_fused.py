@@ -117,8 +117,9 @@ def test_many_rows_go_through_sgemm_with_its_bits():
     x = rng.standard_normal((n + 3, 130)).astype(np.float32)
     want = x @ dequantize_int4(a.data, a.scales, 130, 64).T
     np.testing.assert_array_equal(kernels.matmul(x, a), want)
-    np.testing.assert_array_equal(qm.q4_dequantize(a.data, a.scales, 130, 64),
-                                  dequantize_int4(a.data, a.scales, 130, 64))
+    for threads in (0, 1, 2):
+        np.testing.assert_array_equal(qm.q4_dequantize(a.data, a.scales, 130, 64, threads=threads),
+                                      dequantize_int4(a.data, a.scales, 130, 64))
     ya, yb, yc = kernels.matmul_many(x, [a, b, a], [(0, n + 3), (1, 2), (2, 1)])
     np.testing.assert_array_equal(ya, want)
     np.testing.assert_array_equal(yb, qm.q4_matmul(x[1:3], b.data, b.scales, 130, 64))
