@@ -3,12 +3,13 @@
  *
  * Why in C: each is microseconds of arithmetic, but as numpy expressions a layer took ~30 array
  * operations (temporaries, broadcasting, masks) -- ~1 ms of a ~60 ms token on the OLMoE geometry
- * (benchmarks/README.md). Plain C, no intrinsics: the loops are written with fixed-width lane
- * arrays that compilers auto-vectorize, and every output is summed in an order fixed by the shapes
- * alone, so results never depend on the thread count (the attention splits whole heads between
- * threads). The attention has an AVX2 variant (x86-64, picked at run time like qkern.h's) that
- * runs the same per-lane operations four keys at a time: the same bits as the portable loops. Built with -ffp-contract=off like qkern.h, so the rotary embedding gives exactly the
- * bits of the numpy expression it replaces (core.rope.Rope.apply); the others agree with their
+ * (benchmarks/README.md). Plain C: the loops are written with fixed-width lane arrays that
+ * compilers auto-vectorize, and every output is summed in an order fixed by the shapes alone, so
+ * results never depend on the thread count (the attention splits whole heads between threads).
+ * The attention also has an AVX2 variant (x86-64, picked at run time from qkern.h's level) that
+ * runs the same per-lane operations four keys at a time: the same bits as the portable loops.
+ * Built with -ffp-contract=off like qkern.h, so the rotary embedding gives exactly the bits of
+ * the numpy expression it replaces (core.kernels.rope's reference); the others agree with their
  * numpy references (core.kernels) to float32 rounding.
  */
 #ifndef COLI_LAYER_OPS_H
