@@ -195,7 +195,8 @@ class Engine:
 
     def route(self, L: _Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k experts and their weights for each row of h (softmax over all experts first)."""
-        return kernels.softmax_topk(h @ L.router.T, self.spec.top_k, self.spec.norm_topk_prob)
+        return kernels.softmax_topk(kernels.router_logits(h, L.router), self.spec.top_k,
+                                    self.spec.norm_topk_prob)
 
     def _predict(self, i: int, x: np.ndarray) -> None:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state

@@ -256,6 +256,17 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
     return out.transpose(2, 0, 1, 3).reshape(T, H * D)
 
 
+def router_logits(h: np.ndarray, router: np.ndarray) -> np.ndarray:
+    """h [T, H] @ router.T (float32 [E, H]). Fewer than 32 rows (decode, short prompts) run in C
+    on the calling thread: OpenBLAS threads a [16, 2048] x [2048, 64] product, and its workers keep
+    spinning afterwards while the experts' OpenMP region needs the cores (a 16-token prefill of
+    the OLMoE geometry took 1.2 s instead of 0.8). Which route depends on the row count only."""
+    if _compiled is not None and h.shape[0] < 32:
+        return _compiled.router_logits(np.ascontiguousarray(h, dtype=np.float32),
+                                       np.ascontiguousarray(router, dtype=np.float32))
+    return h @ router.T
+
+
 def softmax_topk(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
     """Router: softmax per row of logits [T, E], the k most probable experts (ties: the lower
     index first) and their probabilities, renormalised to sum 1 when norm."""

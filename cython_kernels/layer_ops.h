@@ -46,6 +46,73 @@ static float coli_dot(const float *a, const float *b, coli_ix n)
     return coli_lane_fold(acc);
 }
 
+#if COLI_X86
+/* out[j] = coli_dot(q, K + j * D, D) for j < n, with the same bits (D % 8 == 0): the 8 lanes of
+ * coli_dot in one register, four rows at a time (four add chains instead of one). */
+COLI_T_AVX2 static void coli_dots_avx2(const float *q, const float *K, coli_ix n, coli_ix D,
+                                       float *out)
+{
+    coli_ix j, d;
+    float lanes[4][COLI_LN];
+    for (j = 0; j + 4 <= n; j += 4) {
+        const float *k = K + j * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (d = 0; d < D; d += 8) {
+            __m256 x = _mm256_loadu_ps(q + d);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, _mm256_loadu_ps(k + d)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(x, _mm256_loadu_ps(k + D + d)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(x, _mm256_loadu_ps(k + 2 * D + d)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(x, _mm256_loadu_ps(k + 3 * D + d)));
+        }
+        _mm256_storeu_ps(lanes[0], a0);
+        _mm256_storeu_ps(lanes[1], a1);
+        _mm256_storeu_ps(lanes[2], a2);
+        _mm256_storeu_ps(lanes[3], a3);
+        for (d = 0; d < 4; d++)
+            out[j + d] = coli_lane_fold(lanes[d]);
+    }
+    for (; j < n; j++)
+        out[j] = coli_dot(q, K + j * D, D);
+}
+#endif
+
+/* out[j] = q . K[j] for n rows of D floats, every row in coli_dot's order; avx2: the AVX2
+ * variant (same bits), which needs D % 8 == 0. */
+static void coli_dots(const float *q, const float *K, coli_ix n, coli_ix D, float *out, int avx2)
+{
+    coli_ix j;
+#if COLI_X86
+    if (avx2) {
+        coli_dots_avx2(q, K, n, D, out);
+        return;
+    }
+#endif
+    (void)avx2;
+    for (j = 0; j < n; j++)
+        out[j] = coli_dot(q, K + j * D, D);
+}
+
+/* Whether the AVX2 variants run at qkern.h's level for rows of D floats. */
+static int coli_ops_avx2(int level, coli_ix D)
+{
+#if COLI_X86
+    return (level == COLI_AVX2 || level == COLI_AVX512) && D % 8 == 0;
+#else
+    (void)level; (void)D;
+    return 0;
+#endif
+}
+
+/* Router logits for T rows (small T; larger batches use sgemm): out [T][E] = x [T][D] . W[e]. */
+static void coli_matvec_rows(const float *x, const float *W, float *out, coli_ix T, coli_ix E,
+                             coli_ix D, int level)
+{
+    coli_ix t;
+    int avx2 = coli_ops_avx2(level, D);
+    for (t = 0; t < T; t++)
+        coli_dots(x + t * D, W, E, D, out + t * E, avx2);
+}
+
 /* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r of n elements (the sum of squares in
  * double: as exact as float32 can hold the mean). */
 static void coli_rms_norm(const float *x, const float *w, float *y, coli_ix rows, coli_ix n,
@@ -94,8 +161,9 @@ static void coli_attend_head(const float *q, const float *K, const float *V, col
 {
     coli_ix j, d, n = S - lo;
     float m = -INFINITY, sum = 0.0f;
+    coli_dots(q, K + lo * D, n, D, p, 0);
     for (j = 0; j < n; j++) {
-        p[j] = coli_dot(q, K + (lo + j) * D, D) * scale;
+        p[j] = p[j] * scale;
         if (p[j] > m)
             m = p[j];
     }
@@ -114,36 +182,20 @@ static void coli_attend_head(const float *q, const float *K, const float *V, col
 }
 
 #if COLI_X86
-/* The AVX2 variant of coli_attend_head (D % 8 == 0): per key the 8 lanes of coli_dot, four keys
- * at a time (four add chains instead of one); values as the portable loop, 8 at a time. */
+/* The AVX2 variant of coli_attend_head (D % 8 == 0): scores by coli_dots_avx2, values as the
+ * portable loop, 8 at a time -- the same bits. */
 COLI_T_AVX2 static void coli_attend_head_avx2(const float *q, const float *K, const float *V,
                                               coli_ix D, coli_ix lo, coli_ix S, float scale,
                                               float *p, float *out)
 {
     coli_ix j, d, n = S - lo;
-    float m = -INFINITY, sum = 0.0f, lanes[4][COLI_LN];
-    for (j = 0; j + 4 <= n; j += 4) {
-        const float *k = K + (lo + j) * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (d = 0; d < D; d += 8) {
-            __m256 x = _mm256_loadu_ps(q + d);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, _mm256_loadu_ps(k + d)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(x, _mm256_loadu_ps(k + D + d)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(x, _mm256_loadu_ps(k + 2 * D + d)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(x, _mm256_loadu_ps(k + 3 * D + d)));
-        }
-        _mm256_storeu_ps(lanes[0], a0);
-        _mm256_storeu_ps(lanes[1], a1);
-        _mm256_storeu_ps(lanes[2], a2);
-        _mm256_storeu_ps(lanes[3], a3);
-        for (d = 0; d < 4; d++)
-            p[j + d] = coli_lane_fold(lanes[d]) * scale;
-    }
-    for (; j < n; j++)
-        p[j] = coli_dot(q, K + (lo + j) * D, D) * scale;
-    for (j = 0; j < n; j++)
+    float m = -INFINITY, sum = 0.0f;
+    coli_dots_avx2(q, K + lo * D, n, D, p);
+    for (j = 0; j < n; j++) {
+        p[j] = p[j] * scale;
         if (p[j] > m)
             m = p[j];
+    }
     for (j = 0; j < n; j++) {
         p[j] = expf(p[j] - m);
         sum += p[j];
@@ -177,10 +229,8 @@ static int coli_attend_one(const float *q, const float *K, const float *V, coli_
             out[h] = 0.0f;
         return 0;
     }
-#if COLI_X86
-    avx2 = (level == COLI_AVX2 || level == COLI_AVX512) && D % 8 == 0;
-#endif
-    (void)level;
+    avx2 = coli_ops_avx2(level, D);
+    (void)avx2;              /* only read where the AVX2 variant is compiled */
     p = (float *)malloc(sizeof(float) * (size_t)(H * n));
     if (p == NULL)
         return -1;

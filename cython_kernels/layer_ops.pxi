@@ -10,6 +10,8 @@ cdef extern from "layer_ops.h":
     int coli_attend_one(const float* q, const float* K, const float* V, Py_ssize_t ks,
                         Py_ssize_t vs, float* out, Py_ssize_t H, Py_ssize_t KV, Py_ssize_t D,
                         Py_ssize_t lo, Py_ssize_t S, float scale, int nt, int level) noexcept nogil
+    void coli_matvec_rows(const float* x, const float* W, float* out, Py_ssize_t T, Py_ssize_t E,
+                          Py_ssize_t D, int level) noexcept nogil
     void coli_softmax_topk(const float* logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
                            int norm, float* probs, int64_t* top, float* wts) noexcept nogil
 
@@ -59,6 +61,21 @@ def attend_one(const float[:, ::1] q, const float[:, :, :] keys, const float[:, 
                                  lo, S, scale, nt, _level)
     if rc:
         raise MemoryError()
+    return out
+
+
+def router_logits(const float[:, ::1] x, const float[:, ::1] W):
+    """x [T, D] @ W.T for a float32 router W [E, D], on the calling thread (for the few rows of
+    decode and short prompts, where a multi-threaded sgemm's spinning workers would slow the
+    OpenMP regions that follow). Returns [T, E]."""
+    cdef Py_ssize_t T = x.shape[0], D = x.shape[1], E = W.shape[0]
+    if W.shape[1] != D:
+        raise ValueError(f"router_logits: x has {D} columns, W has {W.shape[1]}")
+    out = np.empty((T, E), np.float32)
+    cdef float[:, ::1] ov = out
+    if T and E and D:
+        with nogil:
+            coli_matvec_rows(&x[0, 0], &W[0, 0], &ov[0, 0], T, E, D, _level)
     return out
 
 

@@ -96,6 +96,32 @@ def test_attention_rejects_mismatched_shapes():
         qm.attend_one(np.zeros((2, 8), np.float32), keys, values[:, :9], 1.0, 0)
 
 
+@pytest.mark.parametrize("T,E,D", [(1, 64, 2048), (7, 32, 256), (31, 5, 12), (3, 128, 9)])
+def test_router_logits_match_numpy_with_the_same_bits_in_every_variant(T, E, D):
+    rng = np.random.default_rng(T + E + D)
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    W = rng.standard_normal((E, D)).astype(np.float32)
+    want = h @ W.T
+    outs = []
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        got = kernels.router_logits(h, W)
+        assert got.shape == (T, E) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(D))
+        outs.append(got)
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got, outs[0])
+    with pytest.raises(ValueError):
+        qm.router_logits(h, W[:, :-1].copy())
+
+
+def test_router_logits_of_many_rows_go_through_sgemm():
+    rng = np.random.default_rng(9)
+    h = rng.standard_normal((40, 16)).astype(np.float32)
+    W = rng.standard_normal((8, 16)).astype(np.float32)
+    np.testing.assert_array_equal(kernels.router_logits(h, W), h @ W.T)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("T,E,k", [(1, 64, 8), (5, 32, 4), (3, 8, 8), (2, 128, 1)])
 def test_softmax_topk_matches_numpy(T, E, k, norm):
