@@ -6,8 +6,9 @@
  * (benchmarks/README.md). Plain C: the loops are written with fixed-width lane arrays that
  * compilers auto-vectorize, and every output is summed in an order fixed by the shapes alone, so
  * results never depend on the thread count (the attention splits whole heads between threads).
- * The attention also has an AVX2 variant (x86-64, picked at run time from qkern.h's level) that
- * runs the same per-lane operations four keys at a time: the same bits as the portable loops.
+ * The attention's dot products and weighted sums also have AVX2 variants (x86-64, picked at run
+ * time from qkern.h's level) with the same per-lane operations: the same bits as the portable
+ * loops.
  * Built with -ffp-contract=off like qkern.h, so the rotary embedding gives exactly the bits of
  * the numpy expression it replaces (core.kernels.rope's reference); the others agree with their
  * numpy references (core.kernels) to float32 rounding.
@@ -154,14 +155,12 @@ static void coli_rope(float *x, const float *cs, const float *sn, coli_ix T, col
     }
 }
 
-/* One head: out[D] = softmax(scale * q . K[j]) . V[j] over cache rows j in [lo, S) (rows of D
- * contiguous floats). p: S - lo floats of scratch. */
-static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
-                             coli_ix S, float scale, float *p, float *out)
+/* The scores p[0..n) become exp(scale * p[j] - max) in place (softmax before the division);
+ * returns their sum. */
+static float coli_softmax_unnorm(float *p, coli_ix n, float scale)
 {
-    coli_ix j, d, n = S - lo;
+    coli_ix j;
     float m = -INFINITY, sum = 0.0f;
-    coli_dots(q, K + lo * D, n, D, p, 0);
     for (j = 0; j < n; j++) {
         p[j] = p[j] * scale;
         if (p[j] > m)
@@ -171,39 +170,19 @@ static void coli_attend_head(const float *q, const float *K, const float *V, col
         p[j] = expf(p[j] - m);
         sum += p[j];
     }
-    for (d = 0; d < D; d++)
-        out[d] = 0.0f;
-    for (j = 0; j < n; j++) {
-        const float *v = V + (lo + j) * D;
-        float pj = p[j] / sum;
-        for (d = 0; d < D; d++)
-            out[d] += pj * v[d];
-    }
+    return sum;
 }
 
 #if COLI_X86
-/* The AVX2 variant of coli_attend_head (D % 8 == 0): scores by coli_dots_avx2, values as the
- * portable loop, 8 at a time -- the same bits. */
-COLI_T_AVX2 static void coli_attend_head_avx2(const float *q, const float *K, const float *V,
-                                              coli_ix D, coli_ix lo, coli_ix S, float scale,
-                                              float *p, float *out)
+/* coli_weighted_rows' AVX2 variant (D % 8 == 0): the same operations, 8 columns at a time. */
+COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *p, float sum, const float *V,
+                                                coli_ix n, coli_ix D, float *out)
 {
-    coli_ix j, d, n = S - lo;
-    float m = -INFINITY, sum = 0.0f;
-    coli_dots_avx2(q, K + lo * D, n, D, p);
-    for (j = 0; j < n; j++) {
-        p[j] = p[j] * scale;
-        if (p[j] > m)
-            m = p[j];
-    }
-    for (j = 0; j < n; j++) {
-        p[j] = expf(p[j] - m);
-        sum += p[j];
-    }
+    coli_ix j, d;
     for (d = 0; d < D; d += 8)
         _mm256_storeu_ps(out + d, _mm256_setzero_ps());
     for (j = 0; j < n; j++) {
-        const float *v = V + (lo + j) * D;
+        const float *v = V + j * D;
         __m256 pj = _mm256_set1_ps(p[j] / sum);
         for (d = 0; d < D; d += 8)
             _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d),
@@ -211,6 +190,38 @@ COLI_T_AVX2 static void coli_attend_head_avx2(const float *q, const float *K, co
     }
 }
 #endif
+
+/* out[D] = sum over rows j < n of (p[j] / sum) * V[j], rows added in order. */
+static void coli_weighted_rows(const float *p, float sum, const float *V, coli_ix n, coli_ix D,
+                               float *out, int avx2)
+{
+    coli_ix j, d;
+#if COLI_X86
+    if (avx2) {
+        coli_weighted_rows_avx2(p, sum, V, n, D, out);
+        return;
+    }
+#endif
+    (void)avx2;
+    for (d = 0; d < D; d++)
+        out[d] = 0.0f;
+    for (j = 0; j < n; j++) {
+        const float *v = V + j * D;
+        float pj = p[j] / sum;
+        for (d = 0; d < D; d++)
+            out[d] += pj * v[d];
+    }
+}
+
+/* One head: out[D] = softmax(scale * q . K[j]) . V[j] over cache rows j in [lo, S) (rows of D
+ * contiguous floats). p: S - lo floats of scratch. avx2: the AVX2 variants (same bits). */
+static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
+                             coli_ix S, float scale, float *p, float *out, int avx2)
+{
+    coli_ix n = S - lo;
+    coli_dots(q, K + lo * D, n, D, p, avx2);
+    coli_weighted_rows(p, coli_softmax_unnorm(p, n, scale), V + lo * D, n, D, out, avx2);
+}
 
 /* Attention of one query position (decode): q [H][D]; K / V: the cache of kv head g at
  * K + g * ks (resp. V + g * vs), positions 0..S-1 of D floats each (rows before lo are outside a
@@ -230,7 +241,6 @@ static int coli_attend_one(const float *q, const float *K, const float *V, coli_
         return 0;
     }
     avx2 = coli_ops_avx2(level, D);
-    (void)avx2;              /* only read where the AVX2 variant is compiled */
     p = (float *)malloc(sizeof(float) * (size_t)(H * n));
     if (p == NULL)
         return -1;
@@ -240,17 +250,9 @@ static int coli_attend_one(const float *q, const float *K, const float *V, coli_
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (h = 0; h < H; h++) {
-#if COLI_X86
-        if (avx2) {
-            coli_attend_head_avx2(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
-                                  p + h * n, out + h * D);
-            continue;
-        }
-#endif
+    for (h = 0; h < H; h++)
         coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
-                         p + h * n, out + h * D);
-    }
+                         p + h * n, out + h * D, avx2);
     free(p);
     return 0;
 }
@@ -263,16 +265,12 @@ static void coli_softmax_topk(const float *logits, coli_ix T, coli_ix E, coli_ix
     coli_ix t, e, r;
     for (t = 0; t < T; t++) {
         const float *x = logits + t * E;
-        float *p = probs + t * E, m = -INFINITY, sum = 0.0f, ws = 0.0f;
+        float *p = probs + t * E, sum, ws = 0.0f;
         int64_t *tt = top + t * k;
         float *wt = wts + t * k;
         for (e = 0; e < E; e++)
-            if (x[e] > m)
-                m = x[e];
-        for (e = 0; e < E; e++) {
-            p[e] = expf(x[e] - m);
-            sum += p[e];
-        }
+            p[e] = x[e];
+        sum = coli_softmax_unnorm(p, E, 1.0f);     /* x * 1 is exact: softmax(x) */
         for (e = 0; e < E; e++)
             p[e] = p[e] / sum;
         for (r = 0; r < k; r++) {
