@@ -5,6 +5,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,15 @@ def write_hf_model(directory: Path, cfg: dict, tensors: dict[str, np.ndarray] | 
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
+
+
+async def wait_for(pilot, cond, timeout=20.0):
+    """Let a Textual app run (Pilot) until cond() holds; fail after timeout seconds."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("timed out waiting")
+        await pilot.pause(0.02)
 
 
 @pytest.fixture

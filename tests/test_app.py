@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 
 import pytest
 
-from tests.conftest import tiny_config, tokenizer_files, write_hf_model
+from tests.conftest import tiny_config, tokenizer_files, wait_for, write_hf_model
 
 pytest.importorskip("textual")
 
@@ -41,12 +42,7 @@ def make_app(container, **kw):
     return ColiApp(model_path=container, settings=s, engine_options={"cap": 3, "threads": 1}, **kw)
 
 
-async def wait_for(pilot, cond, timeout=10.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("timed out waiting")
-        await pilot.pause(0.02)
+wait_for = functools.partial(wait_for, timeout=10.0)     # these screens settle sooner
 
 
 async def type_and_send(pilot, text):

@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from tests.conftest import tiny_config, tokenizer_files, write_hf_model
+from tests.conftest import tiny_config, tokenizer_files, wait_for, write_hf_model
 
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
@@ -59,14 +59,6 @@ def make_app(model=None, **kw):
     from colibri_tui.app import ColiApp
     from colibri_tui.settings import Settings
     return ColiApp(model_path=model, settings=Settings(), engine_options={"cap": 3, "threads": 1}, **kw)
-
-
-async def wait_for(pilot, cond, timeout=20.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("timed out waiting")
-        await pilot.pause(0.02)
 
 
 async def steady(pilot, timeout=10.0):

@@ -3,10 +3,10 @@ catalog -> folder -> download -> convert -> verify -> chat, and resume after an 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.hub_server import HubServer, build_tiny_repo
 
 pytest.importorskip("textual")
@@ -54,14 +54,6 @@ def make_app():
     from colibri_tui.app import ColiApp
     from colibri_tui.settings import load
     return ColiApp(settings=load(), setup_wizard=True, engine_options={"threads": 1, "cap": 3})
-
-
-async def wait_for(pilot, cond, timeout=20.0):
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("timed out waiting")
-        await pilot.pause(0.02)
 
 
 def wizard_shown(app) -> bool:
