@@ -124,6 +124,21 @@ def write_hf_model(directory: Path, cfg: dict, tensors: dict[str, np.ndarray] | 
     return directory
 
 
+def tiny_app_container(d: Path, name: str, unreachable_eos: bool = False) -> Path:
+    """The small int8 container the app's tests run (3 layers, 8 experts, a real tokenizer),
+    converted into d / name. unreachable_eos: generation_config.json names an eos id outside the
+    vocabulary, so replies run until max_new_tokens or Esc."""
+    from core.converter import convert
+    from models import validate_config
+    src = d / "src"
+    src.mkdir()
+    vocab = tokenizer_files(src, 300)
+    write_hf_model(src, tiny_config(vocab_size=vocab, num_hidden_layers=3, num_experts=8))
+    if unreachable_eos:
+        (src / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab + 50}))
+    return convert(src, d / name, bits=8, validate_config=validate_config)
+
+
 async def wait_for(pilot, cond, timeout=20.0):
     """Let a Textual app run (Pilot) until cond() holds; fail after timeout seconds."""
     t0 = time.monotonic()

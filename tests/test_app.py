@@ -3,27 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 
 import pytest
 
-from tests.conftest import tiny_config, tokenizer_files, wait_for, write_hf_model
+from tests.conftest import tiny_app_container, wait_for
 
 pytest.importorskip("textual")
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    from core.converter import convert
-    from models import validate_config
-    d = tmp_path_factory.mktemp("app")
-    src = d / "src"
-    src.mkdir()
-    vocab = tokenizer_files(src, 300)
-    write_hf_model(src, tiny_config(vocab_size=vocab, num_hidden_layers=3, num_experts=8))
-    # no reachable eos: replies run until max_new_tokens or Esc
-    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab + 50}))
-    return convert(src, d / "c", bits=8, validate_config=validate_config)
+    return tiny_app_container(tmp_path_factory.mktemp("app"), "c", unreachable_eos=True)
 
 
 @pytest.fixture

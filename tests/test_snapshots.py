@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from tests.conftest import tiny_config, tokenizer_files, wait_for, write_hf_model
+from tests.conftest import tiny_app_container, wait_for
 
 pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
@@ -32,14 +32,7 @@ MODELS_DIR = PurePosixPath("/home/user/.local/share/colibri/models")
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
     """A tiny real container, converted once; its folder name is what the header shows."""
-    from core.converter import convert
-    from models import validate_config
-    d = tmp_path_factory.mktemp("snap")
-    src = d / "src"
-    src.mkdir()
-    vocab = tokenizer_files(src, 300)
-    write_hf_model(src, tiny_config(vocab_size=vocab, num_hidden_layers=3, num_experts=8))
-    return convert(src, d / "tiny-moe", bits=8, validate_config=validate_config)
+    return tiny_app_container(tmp_path_factory.mktemp("snap"), "tiny-moe")
 
 
 @pytest.fixture
