@@ -25,16 +25,11 @@ from .store import ExpertFFN, ExpertStore
 
 
 rms_norm = kernels.rms_norm
-softmax = kernels.softmax
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-x)))
 
 
 def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
-    return kernels.matmul(silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up), ffn.down)
+    return kernels.matmul(kernels.silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up),
+                          ffn.down)
 
 
 class KVCache:

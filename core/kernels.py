@@ -184,6 +184,12 @@ def spans(counts) -> list[tuple[int, int]]:
     return out
 
 
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) in float32 (exp overflows to inf for very negative x: the result is -0)."""
+    with np.errstate(over="ignore"):
+        return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-x)))
+
+
 def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.ndarray:
     """down(silu(gate(x_e)) * up(x_e)) for each expert e over its rows x[t0:t0+n], stacked in
     expert order ([sum n, H]): gate and up of every expert in one pass, silu once over all of
@@ -195,8 +201,7 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.nd
     u = np.empty((total, inter), np.float32)
     matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
                 [a[t: t + n] for t, n in stacked for a in (g, u)])
-    with np.errstate(over="ignore"):
-        h = g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g))) * u
+    h = silu(g) * u
     y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
     matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
     return y
@@ -256,12 +261,16 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
     return out.transpose(2, 0, 1, 3).reshape(T, H * D)
 
 
+# Router logits of fewer rows than this (decode, short prompts) are computed in C on the calling
+# thread: OpenBLAS threads a [16, 2048] x [2048, 64] product, and its workers keep spinning
+# afterwards while the experts' OpenMP region needs the cores (a 16-token prefill of the OLMoE
+# geometry took 1.2 s instead of 0.8). The route depends on the row count only.
+ROUTER_C_ROWS = 32
+
+
 def router_logits(h: np.ndarray, router: np.ndarray) -> np.ndarray:
-    """h [T, H] @ router.T (float32 [E, H]). Fewer than 32 rows (decode, short prompts) run in C
-    on the calling thread: OpenBLAS threads a [16, 2048] x [2048, 64] product, and its workers keep
-    spinning afterwards while the experts' OpenMP region needs the cores (a 16-token prefill of
-    the OLMoE geometry took 1.2 s instead of 0.8). Which route depends on the row count only."""
-    if _compiled is not None and h.shape[0] < 32:
+    """h [T, H] @ router.T (float32 [E, H]); see ROUTER_C_ROWS."""
+    if _compiled is not None and h.shape[0] < ROUTER_C_ROWS:
         return _compiled.router_logits(np.ascontiguousarray(h, dtype=np.float32),
                                        np.ascontiguousarray(router, dtype=np.float32))
     return h @ router.T
