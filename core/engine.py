@@ -49,7 +49,7 @@ class KVCache:
         self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.length = 0     # positions committed (all layers)
-        self.reserve = min(getattr(spec, "max_position_embeddings", 0) or self.RESERVE, self.RESERVE)
+        self.reserve = min(spec.max_position_embeddings or self.RESERVE, self.RESERVE)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
