@@ -31,6 +31,9 @@
  *   Prefill unpacks a block of rows to floats lo / hi in the same layout (exact) and runs the
  *   same operations for every token, 4 tokens at a time, over column tiles (the accumulators pass
  *   through memory between tiles, which does not change any rounding).
+ *   AVX2 with gs % 64 == 0 (the container's groups) uses a "lane layout" instead: 32 bytes as
+ *   eight 32-bit lanes, nibble k of every lane by a mask, x permuted and pre-scaled by 16^-k
+ *   (coli_q4_lanes); same a0 / a1 / "- 8" / scale structure, two rows per pass.
  * Portable: per group the low-nibble x then the high-nibble x; 64 lanes accumulate
  * ((lo - 8) x_lo + (hi - 8) x_hi) * s, folded by a fixed tree; any even group size.
  * NEON: the AVX2 structure with 4-lane vectors and (nibble - 8) taken directly (qkern_neon.h).
@@ -164,12 +167,31 @@ static int coli_simd_best(void)
 
 /* ---- int4: layouts -------------------------------------------------------------------------- */
 
-/* Packed bytes per "chunk" of the x layout for a level and group size.  AVX2 / NEON and AVX-512
- * need the group to be whole chunks of 8 / 16 bytes; the portable path takes the whole group as
- * one chunk (any even group size). */
+enum { COLI_CB_LANES = -1 };   /* coli_q4_cb: the AVX2 lane layout (see coli_q4_lanes) */
+
+/* AVX2 with whole 64-element blocks (gs % 64 == 0) reads 32 packed bytes as eight 32-bit lanes
+ * and takes nibble k of every lane by a mask (0xF << 4k: no shift, no widening shuffle), so
+ * float(lane & mask) = q * 16^k exactly; x is permuted so that its vector k holds the elements
+ * of nibble k of each lane (element 8 l + k), pre-scaled by 16^-k (exact: a power of two), so
+ * each product is q * x exactly (unless |x| < ~1e-30 becomes subnormal).  Nibble 7 is shifted
+ * down (q << 28 does not fit a signed lane) and its x is not scaled.  Three operations per 8
+ * weights (and, convert, FMA) instead of five per 16 plus a widening shuffle per 8, and two rows
+ * per pass: 9.3 -> 10.5 GB/s on one Zen 3 core, 17 -> 20 on two (benchmarks/README.md). */
+static int coli_q4_lanes(int lv, coli_idx gs)
+{
+    return lv == COLI_AVX2 && gs % 64 == 0;
+}
+
+static int coli_q4_level(int level, coli_idx gs);
+
+/* Packed bytes per "chunk" of the x layout for a level and group size (or COLI_CB_LANES).
+ * AVX2 / NEON and AVX-512 need the group to be whole chunks of 8 / 16 bytes; the portable path
+ * takes the whole group as one chunk (any even group size). */
 static int coli_q4_cb(int level, coli_idx gs)
 {
     coli_idx gb = gs / 2;
+    if (coli_q4_lanes(coli_q4_level(level, gs), gs))
+        return COLI_CB_LANES;
     if (level == COLI_AVX512 && gb % 16 == 0)
         return 16;
     if ((level == COLI_AVX2 || level == COLI_AVX512 || (level == COLI_NEON && COLI_ARM))
@@ -201,6 +223,16 @@ static void coli_q4_prep(int cb, const float *x, coli_idx T, coli_idx cols, coli
     for (t = 0; t < T; t++) {
         const float *xr = x + t * cols;
         float *xo = xp + t * L;
+        if (cb == COLI_CB_LANES)
+            for (c = 0; c < L / 64; c++)
+                for (k = 0; k < 8; k++)
+                    for (j = 0; j < 8; j++) {
+                        coli_idx e = 64 * c + 8 * j + k;
+                        /* 16^-k as a float (k < 7); nibble 7 is shifted down, not scaled */
+                        float sk = k == 7 ? 1.0f : 1.0f / (float)(1L << (4 * k));
+                        xo[64 * c + 8 * k + j] = e < cols ? xr[e] * sk : 0.0f;
+                    }
+        else
         for (c = 0; c < L / (2 * cb); c++)
             for (j = 0; j < cb; j++) {
                 coli_idx e = 2 * (cb * c + j);
@@ -336,6 +368,117 @@ COLI_T_AVX2 static float coli_q4_row_avx2(const uint8_t *w, const float *s, cons
     case 64: return coli_q4_row_avx2_g(w, s, xo, gi, nb, ng, 64);
     case 128: return coli_q4_row_avx2_g(w, s, xo, gi, nb, ng, 128);
     default: return coli_q4_row_avx2_g(w, s, xo, gi, nb, ng, gs);
+    }
+}
+
+/* ---- int4: AVX2 lane layout (gs % 64 == 0; see coli_q4_lanes) ----
+ * Per 64-element block (32 bytes d): n_k = float(d & (15 << 4k)) for k < 7, float(d >> 28) for
+ * k = 7; a0 += n_k * x_k for even k, a1 for odd k, in k order; the block's "- 8" term is a0's
+ * start value (first block of a group) or added to a0 before the block (later ones).
+ * The masks are read from a table through a pointer the compiler cannot see into (an empty asm):
+ * with two rows per pass they do not all fit in the 16 ymm registers, and as known constants gcc
+ * rebuilt the spilled ones inside the loop (3 instructions each, -10 % GB/s); this way the ones
+ * that do not fit become memory operands. */
+static const int32_t coli_nib_masks[7][8] __attribute__((aligned(32))) = {
+    {0xF, 0xF, 0xF, 0xF, 0xF, 0xF, 0xF, 0xF},
+    {0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0},
+    {0xF00, 0xF00, 0xF00, 0xF00, 0xF00, 0xF00, 0xF00, 0xF00},
+    {0xF000, 0xF000, 0xF000, 0xF000, 0xF000, 0xF000, 0xF000, 0xF000},
+    {0xF0000, 0xF0000, 0xF0000, 0xF0000, 0xF0000, 0xF0000, 0xF0000, 0xF0000},
+    {0xF00000, 0xF00000, 0xF00000, 0xF00000, 0xF00000, 0xF00000, 0xF00000, 0xF00000},
+    {0xF000000, 0xF000000, 0xF000000, 0xF000000, 0xF000000, 0xF000000, 0xF000000, 0xF000000}};
+#define COLI_MASK_TABLE(mt) const int32_t *mt = &coli_nib_masks[0][0]; __asm__("" : "+r"(mt))
+#define COLI_NIB_AVX2(d, k)                                                                     \
+    _mm256_cvtepi32_ps((k) == 7 ? _mm256_srli_epi32(d, 28)                                     \
+                                : _mm256_and_si256(d, _mm256_load_si256(                        \
+                                      (const __m256i *)(mt + 8 * ((k) < 7 ? (k) : 0)))))
+
+/* One 64-element block of two rows (packed d1, d2) against x block xb: nibble k goes to a0 / c0
+ * for even k, a1 / c1 for odd k, in k order (one x load feeds both rows). */
+#define COLI_LANES_STEP(k, A, C)                                                                \
+    {                                                                                           \
+        __m256 xk = _mm256_loadu_ps(xb + 8 * (k));                                              \
+        A = _mm256_fmadd_ps(COLI_NIB_AVX2(d1, k), xk, A);                                       \
+        C = _mm256_fmadd_ps(COLI_NIB_AVX2(d2, k), xk, C);                                       \
+    }
+#define COLI_LANES_BLOCK                                                                        \
+    COLI_LANES_STEP(0, a0, c0) COLI_LANES_STEP(1, a1, c1) COLI_LANES_STEP(2, a0, c0)             \
+    COLI_LANES_STEP(3, a1, c1) COLI_LANES_STEP(4, a0, c0) COLI_LANES_STEP(5, a1, c1)             \
+    COLI_LANES_STEP(6, a0, c0) COLI_LANES_STEP(7, a1, c1)
+
+/* 32 bytes of block c of a group whose packed bytes end after `avail` (padded with 0x88). */
+COLI_T_AVX2 static inline __m256i coli_q4_load_lanes(const uint8_t *wg, coli_idx c, coli_idx avail,
+                                                     uint8_t *buf)
+{
+    const uint8_t *b = avail >= 32 * (c + 1) ? wg + 32 * c : coli_chunk(wg, c, 32, avail, buf);
+    return _mm256_loadu_si256((const __m256i *)b);
+}
+
+/* Two rows per pass, w1 and w2 (w2 == w1 for a lone row): one x load feeds both, and two row
+ * streams far apart (the caller pairs r with r + half of its block) keep two hardware prefetch
+ * streams busy.  Each row sees exactly the operations of a one-row pass.  Groups of 64 (the
+ * container's size) have a loop of their own: one block per group, no per-block branches. */
+COLI_T_AVX2 static void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t *w2, const float *s1,
+                                           const float *s2, const float *xo, const float *gi,
+                                           coli_idx nb, coli_idx ng, coli_idx gs, float *y1,
+                                           float *y2)
+{
+    coli_idx gb = gs / 2, g = 0, c, nbk = gs / 64, gst = coli_q4_gstride(gs);
+    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    uint8_t buf1[32], buf2[32];
+    COLI_MASK_TABLE(mt);
+    if (gs == 64)
+        for (; g + 1 < ng; g++) {
+            const float *xb = xo + 64 * g;
+            __m256i d1 = _mm256_loadu_si256((const __m256i *)(w1 + 32 * g));
+            __m256i d2 = _mm256_loadu_si256((const __m256i *)(w2 + 32 * g));
+            __m256 a0 = _mm256_loadu_ps(gi + COLI_GINIT * g), a1 = _mm256_setzero_ps();
+            __m256 c0 = a0, c1 = a1;
+            COLI_LANES_BLOCK
+            acc1 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s1[g]), acc1);
+            acc2 = _mm256_fmadd_ps(_mm256_add_ps(c0, c1), _mm256_set1_ps(s2[g]), acc2);
+        }
+    for (; g < ng; g++) {     /* other group sizes, and the last group (it may end early) */
+        const float *xg = xo + g * gs, *gg = gi + g * gst;
+        coli_idx avail = g + 1 < ng ? gb : nb - g * gb;
+        __m256 a0 = _mm256_loadu_ps(gg), a1 = _mm256_setzero_ps(), c0 = a0, c1 = a1;
+        for (c = 0; c < nbk; c++) {
+            const float *xb = xg + 64 * c;
+            __m256i d1 = coli_q4_load_lanes(w1 + g * gb, c, avail, buf1);
+            __m256i d2 = coli_q4_load_lanes(w2 + g * gb, c, avail, buf2);
+            if (c) {
+                __m256 t = _mm256_loadu_ps(gg + COLI_GINIT * c);
+                a0 = _mm256_add_ps(a0, t);
+                c0 = _mm256_add_ps(c0, t);
+            }
+            COLI_LANES_BLOCK
+        }
+        acc1 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s1[g]), acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_add_ps(c0, c1), _mm256_set1_ps(s2[g]), acc2);
+    }
+    *y1 = coli_hsum256(acc1);
+    *y2 = coli_hsum256(acc2);
+}
+
+/* Unpacked row in the lane layout: U[64 c + 8 k + l] = n_k of block c (as the decode kernel
+ * computes it), so the prefill kernels (COLI_Q4_PF_AVX2: a0 takes the even 8-float vectors, a1
+ * the odd ones) run exactly the decode row's operations. */
+COLI_T_AVX2 static void coli_q4_unpack_lanes(const uint8_t *w, float *U, coli_idx nb, coli_idx L)
+{
+    uint8_t buf[32];
+    coli_idx c;
+    COLI_MASK_TABLE(mt);
+    for (c = 0; c < L / 64; c++) {
+        __m256i d = coli_q4_load_lanes(w, c, nb, buf);
+        float *u = U + 64 * c;
+        _mm256_storeu_ps(u, COLI_NIB_AVX2(d, 0));
+        _mm256_storeu_ps(u + 8, COLI_NIB_AVX2(d, 1));
+        _mm256_storeu_ps(u + 16, COLI_NIB_AVX2(d, 2));
+        _mm256_storeu_ps(u + 24, COLI_NIB_AVX2(d, 3));
+        _mm256_storeu_ps(u + 32, COLI_NIB_AVX2(d, 4));
+        _mm256_storeu_ps(u + 40, COLI_NIB_AVX2(d, 5));
+        _mm256_storeu_ps(u + 48, COLI_NIB_AVX2(d, 6));
+        _mm256_storeu_ps(u + 56, COLI_NIB_AVX2(d, 7));
     }
 }
 
@@ -714,10 +857,13 @@ static size_t coli_q4_scratch_floats(int lv, coli_idx T, coli_idx rb, coli_idx L
     return T > 1 && coli_q4_has_pf(lv) ? (size_t)(rb * L + rb * T * 16) : 0;
 }
 
-static void coli_q4_unpack(int lv, const uint8_t *w, float *U, coli_idx nb, coli_idx L)
+static void coli_q4_unpack(int lv, const uint8_t *w, float *U, coli_idx nb, coli_idx L,
+                           coli_idx gs)
 {
 #if COLI_X86
-    if (lv == COLI_AVX512)
+    if (coli_q4_lanes(lv, gs))
+        coli_q4_unpack_lanes(w, U, nb, L);
+    else if (lv == COLI_AVX512)
         coli_q4_unpack_avx512(w, U, nb, L);
     else if (lv == COLI_AVX2)
         coli_q4_unpack_avx2(w, U, nb, L);
@@ -726,7 +872,7 @@ static void coli_q4_unpack(int lv, const uint8_t *w, float *U, coli_idx nb, coli
     if (lv == COLI_NEON)
         coli_q4_unpack_neon(w, U, nb, L);
 #endif
-    (void)lv; (void)w; (void)U; (void)nb; (void)L;
+    (void)lv; (void)w; (void)U; (void)nb; (void)L; (void)gs;
 }
 
 /* Groups [g0, g1) of n (1..4) tokens from an unpacked row (coli_q4_pf<n>_<level>). */
@@ -784,7 +930,7 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
     coli_idx L = ng * gs, r, t;
     if (T > 1 && coli_q4_has_pf(lv)) {
         for (r = r0; r < r1; r++)
-            coli_q4_unpack(lv, w + r * nb, U + (r - r0) * L, nb, L);
+            coli_q4_unpack(lv, w + r * nb, U + (r - r0) * L, nb, L, gs);
         {
             /* Column tiles of gt groups; per (row, token) the accumulator goes through A between
              * tiles, so every output sees exactly the operations of the decode row. */
@@ -811,6 +957,20 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
     (void)U;
     (void)lv;
     (void)gi;
+#if COLI_X86
+    if (T == 1 && coli_q4_lanes(lv, gs)) {
+        /* rows r and r + half of the block in one pass (a lone middle row pairs with itself) */
+        coli_idx half = (r1 - r0 + 1) / 2;
+        for (r = r0; r < r0 + half; r++) {
+            coli_idx r2 = r + half < r1 ? r + half : r;
+            float y2;
+            coli_q4_row2_lanes(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xp, gi, nb, ng,
+                               gs, y + r, &y2);
+            y[r2] = y2;
+        }
+        return;
+    }
+#endif
     for (r = r0; r < r1; r++) {
         const uint8_t *wr = w + r * nb;
         const float *sr = s + r * ng;
