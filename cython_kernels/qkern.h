@@ -418,17 +418,18 @@ COLI_T_AVX2 static inline __m256i coli_q4_load_lanes(const uint8_t *wg, coli_idx
  * streams far apart (the caller pairs r with r + half of its block) keep two hardware prefetch
  * streams busy.  Each row sees exactly the operations of a one-row pass.  Groups of 64 (the
  * container's size) have a loop of their own: one block per group, no per-block branches. */
-COLI_T_AVX2 static void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t *w2, const float *s1,
-                                           const float *s2, const float *xo, const float *gi,
-                                           coli_idx nb, coli_idx ng, coli_idx gs, float *y1,
-                                           float *y2)
+COLI_T_AVX2 COLI_INLINE void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t *w2,
+                                                const float *s1, const float *s2,
+                                                const float *xo, const float *gi, coli_idx nb,
+                                                coli_idx ng, coli_idx gs, float *y1, float *y2)
 {
     coli_idx gb = gs / 2, g = 0, c, nbk = gs / 64, gst = coli_q4_gstride(gs);
+    coli_idx nfull = nb == ng * gb ? ng : ng - 1;   /* groups that are whole in memory */
     __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     uint8_t buf1[32], buf2[32];
     COLI_MASK_TABLE(mt);
     if (gs == 64)
-        for (; g + 1 < ng; g++) {
+        for (; g < nfull; g++) {
             const float *xb = xo + 64 * g;
             __m256i d1 = _mm256_loadu_si256((const __m256i *)(w1 + 32 * g));
             __m256i d2 = _mm256_loadu_si256((const __m256i *)(w2 + 32 * g));
@@ -438,7 +439,7 @@ COLI_T_AVX2 static void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t *w2,
             acc1 = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s1[g]), acc1);
             acc2 = _mm256_fmadd_ps(_mm256_add_ps(c0, c1), _mm256_set1_ps(s2[g]), acc2);
         }
-    for (; g < ng; g++) {     /* other group sizes, and the last group (it may end early) */
+    for (; g < ng; g++) {     /* other group sizes, and a last group that ends early */
         const float *xg = xo + g * gs, *gg = gi + g * gst;
         coli_idx avail = g + 1 < ng ? gb : nb - g * gb;
         __m256 a0 = _mm256_loadu_ps(gg), a1 = _mm256_setzero_ps(), c0 = a0, c1 = a1;
@@ -458,6 +459,22 @@ COLI_T_AVX2 static void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t *w2,
     }
     *y1 = coli_hsum256(acc1);
     *y2 = coli_hsum256(acc2);
+}
+
+/* Decode rows [r0, r1): row r with row r + half in one pass (a lone middle row pairs with
+ * itself). */
+COLI_T_AVX2 static void coli_q4_rows_lanes(const uint8_t *w, const float *s, const float *xp,
+                                           const float *gi, float *y, coli_idx r0, coli_idx r1,
+                                           coli_idx nb, coli_idx ng, coli_idx gs)
+{
+    coli_idx half = (r1 - r0 + 1) / 2, r;
+    for (r = r0; r < r0 + half; r++) {
+        coli_idx r2 = r + half < r1 ? r + half : r;
+        float y2;
+        coli_q4_row2_lanes(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xp, gi, nb, ng, gs,
+                           y + r, &y2);
+        y[r2] = y2;
+    }
 }
 
 /* Unpacked row in the lane layout: U[64 c + 8 k + l] = n_k of block c (as the decode kernel
@@ -959,15 +976,7 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
     (void)gi;
 #if COLI_X86
     if (T == 1 && coli_q4_lanes(lv, gs)) {
-        /* rows r and r + half of the block in one pass (a lone middle row pairs with itself) */
-        coli_idx half = (r1 - r0 + 1) / 2;
-        for (r = r0; r < r0 + half; r++) {
-            coli_idx r2 = r + half < r1 ? r + half : r;
-            float y2;
-            coli_q4_row2_lanes(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xp, gi, nb, ng,
-                               gs, y + r, &y2);
-            y[r2] = y2;
-        }
+        coli_q4_rows_lanes(w, s, xp, gi, y, r0, r1, nb, ng, gs);
         return;
     }
 #endif
