@@ -800,6 +800,75 @@ COLI_T_AVX2 COLI_INLINE float coli_q4i8_row_avx2_g(const uint8_t *w, const float
     return coli_hsum256(_mm256_add_ps(acc[0], acc[1]));
 }
 
+/* Two rows per pass (decode): rows r and r + half of the block, each with exactly the operations
+ * of coli_q4i8_row_avx2_g (two row streams for the hardware prefetcher, as the float path). */
+COLI_T_AVX2 COLI_INLINE void coli_q4i8_row2_avx2_g(const uint8_t *w1, const uint8_t *w2,
+                                                   const float *s1, const float *s2,
+                                                   const int8_t *xq, const float *xd,
+                                                   const int32_t *xc, coli_idx nb, coli_idx ng,
+                                                   coli_idx gs, float *y1, float *y2)
+{
+    coli_idx gb = gs / 2, g, k, nbk = gs / 64, nfull = nb == ng * gb ? ng : ng - 1;
+    __m256 a1[2], a2[2];
+    a1[0] = a1[1] = a2[0] = a2[1] = _mm256_setzero_ps();
+    for (g = 0; g < nfull; g++) {
+        coli_idx blk = g * nbk;
+        const uint8_t *b1 = w1 + g * gb, *b2 = w2 + g * gb;
+        __m256 d = _mm256_loadu_ps(xd + 8 * blk);
+        __m256 g1 = _mm256_mul_ps(coli_q4i8_blk_avx2(b1, xq + 64 * blk, xc + 8 * blk), d);
+        __m256 g2 = _mm256_mul_ps(coli_q4i8_blk_avx2(b2, xq + 64 * blk, xc + 8 * blk), d);
+        for (k = 1; k < nbk; k++) {
+            d = _mm256_loadu_ps(xd + 8 * (blk + k));
+            g1 = _mm256_fmadd_ps(coli_q4i8_blk_avx2(b1 + 32 * k, xq + 64 * (blk + k),
+                                                    xc + 8 * (blk + k)), d, g1);
+            g2 = _mm256_fmadd_ps(coli_q4i8_blk_avx2(b2 + 32 * k, xq + 64 * (blk + k),
+                                                    xc + 8 * (blk + k)), d, g2);
+        }
+        a1[g & 1] = _mm256_fmadd_ps(g1, _mm256_set1_ps(s1[g]), a1[g & 1]);
+        a2[g & 1] = _mm256_fmadd_ps(g2, _mm256_set1_ps(s2[g]), a2[g & 1]);
+    }
+    if (g < ng) {   /* a last group that ends early: the one-row code's padded copies */
+        uint8_t buf[32];
+        int rw;
+        for (rw = 0; rw < 2; rw++) {
+            const uint8_t *b = (rw ? w2 : w1) + g * gb;
+            coli_idx blk = g * nbk, avail = nb - g * gb;
+            __m256 ga = _mm256_setzero_ps(), *a = rw ? a2 : a1;
+            for (k = 0; k < nbk; k++) {
+                coli_idx n = avail - 32 * k;
+                memset(buf, 0x88, sizeof(buf));
+                if (n > 0)
+                    memcpy(buf, b + 32 * k, (size_t)(n < 32 ? n : 32));
+                ga = _mm256_fmadd_ps(coli_q4i8_blk_avx2(buf, xq + 64 * (blk + k),
+                                                        xc + 8 * (blk + k)),
+                                     _mm256_loadu_ps(xd + 8 * (blk + k)), ga);
+            }
+            a[g & 1] = _mm256_fmadd_ps(ga, _mm256_set1_ps((rw ? s2 : s1)[g]), a[g & 1]);
+        }
+    }
+    *y1 = coli_hsum256(_mm256_add_ps(a1[0], a1[1]));
+    *y2 = coli_hsum256(_mm256_add_ps(a2[0], a2[1]));
+}
+
+COLI_T_AVX2 static void coli_q4i8_rows2_avx2(const uint8_t *w, const float *s, const int8_t *xq,
+                                             const float *xd, const int32_t *xc, float *y,
+                                             coli_idx r0, coli_idx r1, coli_idx nb, coli_idx ng,
+                                             coli_idx gs)
+{
+    coli_idx half = (r1 - r0 + 1) / 2, r;
+    for (r = r0; r < r0 + half; r++) {
+        coli_idx r2 = r + half < r1 ? r + half : r;
+        float v2;
+        if (gs == 64)
+            coli_q4i8_row2_avx2_g(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xq, xd, xc,
+                                  nb, ng, 64, y + r, &v2);
+        else
+            coli_q4i8_row2_avx2_g(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xq, xd, xc,
+                                  nb, ng, gs, y + r, &v2);
+        y[r2] = v2;
+    }
+}
+
 COLI_T_AVX2 static float coli_q4i8_row_avx2(const uint8_t *w, const float *s, const int8_t *xq,
                                             const float *xd, const int32_t *xc, coli_idx nb,
                                             coli_idx ng, coli_idx gs)
@@ -821,6 +890,12 @@ static void coli_q4i8_rows_level(int level, const uint8_t *w, const float *s, co
 {
     coli_idx L = ng * gs, r, t;
     (void)level;
+#if COLI_X86
+    if (T == 1 && (level != COLI_NEON || !COLI_ARM)) {
+        coli_q4i8_rows2_avx2(w, s, xq, xd, xc, y, r0, r1, nb, ng, gs);
+        return;
+    }
+#endif
     for (r = r0; r < r1; r++)
         for (t = 0; t < T; t++) {
             const uint8_t *wr = w + r * nb;
