@@ -761,6 +761,25 @@ COLI_T_AVX2 COLI_INLINE __m256 coli_q4i8_blk_avx2(const uint8_t *b, const int8_t
     return _mm256_cvtepi32_ps(p);
 }
 
+/* A last group that ends early (avail packed bytes): its blocks through padded copies. */
+COLI_T_AVX2 static __m256 coli_q4i8_tail_avx2(const uint8_t *b, coli_idx avail, const int8_t *xq,
+                                             const float *xd, const int32_t *xc, coli_idx blk,
+                                             coli_idx nbk)
+{
+    uint8_t buf[32];
+    coli_idx k;
+    __m256 ga = _mm256_setzero_ps();
+    for (k = 0; k < nbk; k++) {
+        coli_idx n = avail - 32 * k;
+        memset(buf, 0x88, sizeof(buf));
+        if (n > 0)
+            memcpy(buf, b + 32 * k, (size_t)(n < 32 ? n : 32));
+        ga = _mm256_fmadd_ps(coli_q4i8_blk_avx2(buf, xq + 64 * (blk + k), xc + 8 * (blk + k)),
+                             _mm256_loadu_ps(xd + 8 * (blk + k)), ga);
+    }
+    return ga;
+}
+
 COLI_T_AVX2 COLI_INLINE float coli_q4i8_row_avx2_g(const uint8_t *w, const float *s,
                                                    const int8_t *xq, const float *xd,
                                                    const int32_t *xc, coli_idx nb, coli_idx ng,
@@ -768,7 +787,6 @@ COLI_T_AVX2 COLI_INLINE float coli_q4i8_row_avx2_g(const uint8_t *w, const float
 {
     coli_idx gb = gs / 2, g, k, nbk = gs / 64;
     __m256 acc[2];
-    uint8_t buf[32];
     acc[0] = _mm256_setzero_ps();
     acc[1] = _mm256_setzero_ps();
     for (g = 0; g < ng; g++) {
@@ -783,16 +801,7 @@ COLI_T_AVX2 COLI_INLINE float coli_q4i8_row_avx2_g(const uint8_t *w, const float
                                                         xc + 8 * (blk + k)),
                                      _mm256_loadu_ps(xd + 8 * (blk + k)), ga);
         } else {                 /* last group, partly beyond the row: padded copies */
-            ga = _mm256_setzero_ps();
-            for (k = 0; k < nbk; k++) {
-                coli_idx n = avail - 32 * k;
-                memset(buf, 0x88, sizeof(buf));
-                if (n > 0)
-                    memcpy(buf, b + 32 * k, (size_t)(n < 32 ? n : 32));
-                ga = _mm256_fmadd_ps(coli_q4i8_blk_avx2(buf, xq + 64 * (blk + k),
-                                                        xc + 8 * (blk + k)),
-                                     _mm256_loadu_ps(xd + 8 * (blk + k)), ga);
-            }
+            ga = coli_q4i8_tail_avx2(b, avail, xq, xd, xc, blk, nbk);
         }
         /* two accumulators (even / odd groups): no serial chain of FMAs across the row */
         acc[g & 1] = _mm256_fmadd_ps(ga, _mm256_set1_ps(s[g]), acc[g & 1]);
@@ -828,23 +837,11 @@ COLI_T_AVX2 COLI_INLINE void coli_q4i8_row2_avx2_g(const uint8_t *w1, const uint
         a2[g & 1] = _mm256_fmadd_ps(g2, _mm256_set1_ps(s2[g]), a2[g & 1]);
     }
     if (g < ng) {   /* a last group that ends early: the one-row code's padded copies */
-        uint8_t buf[32];
-        int rw;
-        for (rw = 0; rw < 2; rw++) {
-            const uint8_t *b = (rw ? w2 : w1) + g * gb;
-            coli_idx blk = g * nbk, avail = nb - g * gb;
-            __m256 ga = _mm256_setzero_ps(), *a = rw ? a2 : a1;
-            for (k = 0; k < nbk; k++) {
-                coli_idx n = avail - 32 * k;
-                memset(buf, 0x88, sizeof(buf));
-                if (n > 0)
-                    memcpy(buf, b + 32 * k, (size_t)(n < 32 ? n : 32));
-                ga = _mm256_fmadd_ps(coli_q4i8_blk_avx2(buf, xq + 64 * (blk + k),
-                                                        xc + 8 * (blk + k)),
-                                     _mm256_loadu_ps(xd + 8 * (blk + k)), ga);
-            }
-            a[g & 1] = _mm256_fmadd_ps(ga, _mm256_set1_ps((rw ? s2 : s1)[g]), a[g & 1]);
-        }
+        coli_idx blk = g * nbk, avail = nb - g * gb;
+        a1[g & 1] = _mm256_fmadd_ps(coli_q4i8_tail_avx2(w1 + g * gb, avail, xq, xd, xc, blk, nbk),
+                                    _mm256_set1_ps(s1[g]), a1[g & 1]);
+        a2[g & 1] = _mm256_fmadd_ps(coli_q4i8_tail_avx2(w2 + g * gb, avail, xq, xd, xc, blk, nbk),
+                                    _mm256_set1_ps(s2[g]), a2[g & 1]);
     }
     *y1 = coli_hsum256(_mm256_add_ps(a1[0], a1[1]));
     *y2 = coli_hsum256(_mm256_add_ps(a2[0], a2[1]));
