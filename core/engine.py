@@ -232,19 +232,15 @@ class Engine:
         for batch in self.store.request_batches(i, used):
             if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
                 y = kernels.swiglu_many(h, [ffn for _, ffn in batch], [(0, 1)] * len(batch))
-                for (e, _), row in zip(batch, y):
-                    r = ids.index(e)
-                    contrib[0, r] = row * weights[0, r]
+                ranks = [ids.index(e) for e, _ in batch]
+                contrib[0, ranks] = y * weights[0, ranks][:, None]
                 continue
             picks = [np.nonzero(top == e) for e, _ in batch]
             rows = np.concatenate([r for r, _ in picks])
             ranks = np.concatenate([k for _, k in picks])
             y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
-        out = contrib[:, 0]
-        for r in range(1, top.shape[1]):
-            out = out + contrib[:, r]
-        return out
+        return np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
 
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
