@@ -152,6 +152,11 @@ cdef int _threads_for(Py_ssize_t rows):
     return nt if nt > 0 else 1
 
 
+# Output rows per parallel block in decode (int4 paths; see _q4_run).
+cdef enum:
+    DECODE_ROWS = 256
+
+
 cdef inline Py_ssize_t _up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
     return (n + m - 1) // m * m
 
@@ -206,8 +211,10 @@ cdef int _q4_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, 
     cdef Py_ssize_t* rb = bstart + nmat
     for m in range(nmat):
         # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the
-        # token blocks stream over it; decode uses blocks only to amortize the call
-        rb[m] = 64 if Ts[m] == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+        # token blocks stream over it; decode pairs row r with r + rb / 2 (two prefetch
+        # streams), and longer streams read faster: 256 rows against 64 took the 16 layers'
+        # expert products of the OLMoE geometry from 26.5 to 22 ms on 2 threads (43 -> 40 on 1)
+        rb[m] = DECODE_ROWS if Ts[m] == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
         bstart[m] = nblk
         nblk += (Os[m] + rb[m] - 1) // rb[m] if Ts[m] > 0 else 0
         rows += Os[m]
@@ -219,7 +226,7 @@ cdef int _q4_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, 
             return _q4i8_run(x, Tx, cols, gs, nmat, ws, ss, ys, Os, t0s, Ts, nt)
         finally:
             free(bstart)
-    rbm = 64 if tmax == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+    rbm = DECODE_ROWS if tmax == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
     per = _up(coli_q4_scratch_floats(lv, tmax, rbm, L), 16)   # floats per thread
     cdef float* xp = <float*>_amalloc(<size_t>(Tx * L) * sizeof(float))
     cdef float* gi = <float*>_amalloc(<size_t>(Tx * ng * gst) * sizeof(float))
@@ -257,7 +264,7 @@ cdef int _q4i8_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs
     cdef Py_ssize_t nb = (cols + 1) // 2
     cdef Py_ssize_t ng = (cols + gs - 1) // gs
     cdef Py_ssize_t L = ng * gs
-    cdef Py_ssize_t rb = 64
+    cdef Py_ssize_t rb = DECODE_ROWS
     cdef Py_ssize_t b, r0, r1, O, nblk = 0
     cdef Py_ssize_t d8 = (L // 64) * 8
     cdef int m
