@@ -122,11 +122,12 @@ def test_q8_extreme_values(variant):
     _close8(qm.q8_matmul(x, q, s), x, q, s)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8", "q4g48"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q4g48", "q4g128"])
 def test_bit_identical_across_thread_counts(kind, variant):
-    """Per variant: any thread count, and decode vs prefill rows, give the same bits."""
+    """Per variant: any thread count, and decode vs prefill rows, give the same bits (q4g128:
+    two 64-element blocks per group and a partial last group in AVX2's lane layout)."""
     rng = np.random.default_rng(7)
-    O, cols, gs = 301, 1000, (48 if kind == "q4g48" else 64)
+    O, cols, gs = 301, 1000, {"q4g48": 48, "q4g128": 128}.get(kind, 64)
     if kind.startswith("q4"):
         x, w, s = _int4_case(rng, O, cols, gs, 7)
         run = lambda x: qm.q4_matmul(x, w, s, cols, gs)  # noqa: E731
