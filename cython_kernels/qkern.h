@@ -176,7 +176,8 @@ enum { COLI_CB_LANES = -1 };   /* coli_q4_cb: the AVX2 lane layout (see coli_q4_
  * each product is q * x exactly (unless |x| < ~1e-30 becomes subnormal).  Nibble 7 is shifted
  * down (q << 28 does not fit a signed lane) and its x is not scaled.  Three operations per 8
  * weights (and, convert, FMA) instead of five per 16 plus a widening shuffle per 8, and two rows
- * per pass: 9.3 -> 10.5 GB/s on one Zen 3 core, 17 -> 20 on two (benchmarks/README.md). */
+ * per pass: 9.6 -> 11.0 GB/s on one Zen 3 core, 18.5 -> 21.5 on two; 12.8 / 24-25 with aligned
+ * x and 256-row decode blocks (benchmarks/README.md, session 4). */
 static int coli_q4_lanes(int lv, coli_idx gs)
 {
     return lv == COLI_AVX2 && gs % 64 == 0;
