@@ -152,9 +152,17 @@ cdef int _threads_for(Py_ssize_t rows):
     return nt if nt > 0 else 1
 
 
-# Output rows per parallel block in decode (int4 paths; see _q4_run).
+# Output rows per parallel block in decode (int4 paths): decode pairs row r with r + rb / 2 (two
+# prefetch streams), and longer streams read faster -- 256 rows against 64 took the 16 layers'
+# expert products of the OLMoE geometry from 26.5 to 22 ms on 2 threads (43 -> 40 on 1). Only
+# where that still leaves every thread at least 4 blocks; else 64 rows.
 cdef enum:
     DECODE_ROWS = 256
+    DECODE_ROWS_MIN = 64
+
+
+cdef inline Py_ssize_t _decode_rows(Py_ssize_t rows, int nt) noexcept nogil:
+    return DECODE_ROWS if rows >= 4 * DECODE_ROWS * nt else DECODE_ROWS_MIN
 
 
 cdef inline Py_ssize_t _up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
@@ -203,30 +211,27 @@ cdef int _q4_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, 
     cdef int lv = coli_q4_level(_level, gs)
     cdef int cb = coli_q4_cb(_level, gs)
     cdef Py_ssize_t b, r0, r1, O, T, nblk = 0, rows = 0, tmax = 1, per, gst = coli_q4_gstride(gs)
-    cdef Py_ssize_t rbm
+    cdef Py_ssize_t rbm, rbd, rbp = max(1, min(16, (256 * 1024) // (4 * L)))
     cdef int m, nt
+    for m in range(nmat):
+        rows += Os[m]
+        tmax = max(tmax, Ts[m])
+    nt = _threads_for(rows)
+    if _int8_act and coli_q4i8_ok(_level, gs):
+        return _q4i8_run(x, Tx, cols, gs, nmat, ws, ss, ys, Os, t0s, Ts, nt, _decode_rows(rows, nt))
     cdef Py_ssize_t* bstart = <Py_ssize_t*>malloc(<size_t>(2 * nmat + 1) * sizeof(Py_ssize_t))
     if bstart == NULL:
         raise MemoryError()
     cdef Py_ssize_t* rb = bstart + nmat
+    # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the token
+    # blocks stream over it; decode: see DECODE_ROWS
+    rbd = _decode_rows(rows, nt)
     for m in range(nmat):
-        # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the
-        # token blocks stream over it; decode pairs row r with r + rb / 2 (two prefetch
-        # streams), and longer streams read faster: 256 rows against 64 took the 16 layers'
-        # expert products of the OLMoE geometry from 26.5 to 22 ms on 2 threads (43 -> 40 on 1)
-        rb[m] = DECODE_ROWS if Ts[m] == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+        rb[m] = rbd if Ts[m] == 1 else rbp
         bstart[m] = nblk
         nblk += (Os[m] + rb[m] - 1) // rb[m] if Ts[m] > 0 else 0
-        rows += Os[m]
-        tmax = max(tmax, Ts[m])
     bstart[2 * nmat] = nblk
-    nt = _threads_for(rows)
-    if _int8_act and coli_q4i8_ok(_level, gs):
-        try:
-            return _q4i8_run(x, Tx, cols, gs, nmat, ws, ss, ys, Os, t0s, Ts, nt)
-        finally:
-            free(bstart)
-    rbm = DECODE_ROWS if tmax == 1 else max(1, min(16, (256 * 1024) // (4 * L)))
+    rbm = rbd if tmax == 1 else rbp
     per = _up(coli_q4_scratch_floats(lv, tmax, rbm, L), 16)   # floats per thread
     cdef float* xp = <float*>_amalloc(<size_t>(Tx * L) * sizeof(float))
     cdef float* gi = <float*>_amalloc(<size_t>(Tx * ng * gst) * sizeof(float))
@@ -259,12 +264,12 @@ cdef int _q4_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, 
 
 cdef int _q4i8_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, int nmat,
                    const uint8_t** ws, const float** ss, float** ys, Py_ssize_t* Os,
-                   const Py_ssize_t* t0s, const Py_ssize_t* Ts, int nt) except -1:
-    """The opt-in int8-activation path of _q4_run (gs % 64 == 0, AVX2 / AVX-512)."""
+                   const Py_ssize_t* t0s, const Py_ssize_t* Ts, int nt, Py_ssize_t rb) except -1:
+    """The opt-in int8-activation path of _q4_run (gs % 64 == 0, AVX2 / AVX-512); rb rows per
+    block."""
     cdef Py_ssize_t nb = (cols + 1) // 2
     cdef Py_ssize_t ng = (cols + gs - 1) // gs
     cdef Py_ssize_t L = ng * gs
-    cdef Py_ssize_t rb = DECODE_ROWS
     cdef Py_ssize_t b, r0, r1, O, nblk = 0
     cdef Py_ssize_t d8 = (L // 64) * 8
     cdef int m
