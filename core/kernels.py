@@ -250,14 +250,19 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
         return _compiled.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), keys, values,
                                     float(scale), lo)
     qg = q.reshape(T, KV, H // KV, D).transpose(1, 2, 0, 3)                             # [kv, G, T, D]
-    scores = np.matmul(qg, keys.transpose(0, 2, 1)[:, None]) * scale                    # [kv, G, T, S]
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)[:, None])                            # [kv, G, T, S]
+    scores *= scale
     kpos = np.arange(keys.shape[1])
     allowed = kpos[None, :] <= pos[:, None]
     if window is not None:
         allowed &= kpos[None, :] > pos[:, None] - window
-    scores = np.where(allowed[None, None], scores, -np.inf)
-    probs = softmax(scores).astype(np.float32)
-    out = np.matmul(probs, values[:, None])                                             # [kv, G, T, D]
+    # softmax in place (the values of softmax(np.where(allowed, scores, -inf)), without its four
+    # [kv, G, T, S] temporaries: a 512-token prompt spent ~25 ms per layer in them)
+    np.copyto(scores, -np.inf, where=~allowed[None, None])
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, values[:, None])                                            # [kv, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(T, H * D)
 
 
