@@ -272,6 +272,18 @@ class Engine:
         """Teacher-forced logits, float32 [T, vocab], from one batched pass."""
         return self.forward(ids, KVCache(self.spec), all_logits=True)
 
+    # Prompts are prefilled PREFILL_CHUNK positions at a time: a pass's activations grow with its
+    # length (attention scores alone are heads x T x S floats: 4 GiB for an 8k-token prompt with
+    # 16 heads), and the RAM budget is a promise. 512-row products still run at sgemm's rate.
+    PREFILL_CHUNK = 512
+
+    def prefill(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Run the prompt through the model in chunks; the last position's logits [vocab]."""
+        logits = None
+        for at in range(0, len(ids), self.PREFILL_CHUNK):
+            logits = self.forward(ids[at: at + self.PREFILL_CHUNK], cache)
+        return logits[-1]
+
     # --- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
         self._cancel.set()
@@ -304,7 +316,7 @@ class Engine:
         self.store.reset_stats()
         self.reset_counters()
         t0 = time.perf_counter()
-        logits = self.forward(ids, cache)[-1]
+        logits = self.prefill(ids, cache)
         t_prefill = time.perf_counter() - t0
         new, text, emitted, reason = [], "", 0, "length"
         t_decode = time.perf_counter()

@@ -67,3 +67,25 @@ def test_demo_chat_generation_stops_and_decodes():
                                   max_new_tokens=40))
     final = [e for e in events if type(e).__name__ == "Stats"][-1].extra
     assert final["reason"] in ("eos", "length") and isinstance(final["text"], str)
+
+
+def test_long_prompts_are_prefilled_in_chunks():
+    """generate() prefills PREFILL_CHUNK positions at a time (bounded activations); the result
+    matches one pass over the whole prompt to float32 rounding and continues the same way."""
+    ids = np.load(REF)["ids"].tolist()
+    engine = open_model(DEMO, threads=1)
+    whole = engine.forward(ids, KVCache(engine.spec))[-1]
+    engine.PREFILL_CHUNK = 5                       # instance override: 7 chunks, the last short
+    cache = KVCache(engine.spec)
+    calls = []
+    forward = engine.forward
+    engine.forward = lambda chunk, c, **kw: calls.append(len(chunk)) or forward(chunk, c, **kw)
+    chunked = engine.prefill(ids, cache)
+    assert calls == [5] * (len(ids) // 5) + ([len(ids) % 5] if len(ids) % 5 else [])
+    assert cache.length == len(ids)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+    assert int(np.argmax(chunked)) == int(np.argmax(whole))
+    before = len(calls)
+    events = list(engine.generate(ids, SamplingParams(temperature=0.0), max_new_tokens=8))
+    assert calls[before: before + len(ids) // 5] == [5] * (len(ids) // 5)     # generate chunks too
+    assert [e.id for e in events if type(e).__name__ == "Token"] == _greedy(open_model(DEMO, threads=1), ids, 8)
