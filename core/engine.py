@@ -273,9 +273,11 @@ class Engine:
         return self.forward(ids, KVCache(self.spec), all_logits=True)
 
     # Prompts are prefilled PREFILL_CHUNK positions at a time: a pass's activations grow with its
-    # length (attention scores alone are heads x T x S floats: 4 GiB for an 8k-token prompt with
-    # 16 heads), and the RAM budget is a promise. 512-row products still run at sgemm's rate.
-    PREFILL_CHUNK = 512
+    # length (the MoE block's [T, top-k, hidden] contributions: 470 MB for 2048 positions of a
+    # 7168-wide model; attention is blocked by query rows on its own), and the RAM budget is a
+    # promise. The price is paid when experts stream from disk: each pass loads the experts its
+    # positions use, so a longer prompt reads them once per chunk (llama.cpp's micro-batch: 512).
+    PREFILL_CHUNK = 1024
 
     def prefill(self, ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Run the prompt through the model in chunks; the last position's logits [vocab]."""

@@ -249,6 +249,10 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
         lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
         return _compiled.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), keys, values,
                                     float(scale), lo)
+    if T > ATTENTION_QUERY_BLOCK:     # bounded scores: [kv, G, block, S] at a time
+        B = ATTENTION_QUERY_BLOCK
+        return np.concatenate([attention(q[t: t + B], keys, values, scale, pos[t: t + B], window)
+                               for t in range(0, T, B)])
     qg = q.reshape(T, KV, H // KV, D).transpose(1, 2, 0, 3)                             # [kv, G, T, D]
     scores = np.matmul(qg, keys.transpose(0, 2, 1)[:, None])                            # [kv, G, T, S]
     scores *= scale
@@ -264,6 +268,11 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
     scores /= scores.sum(axis=-1, keepdims=True)
     out = np.matmul(scores, values[:, None])                                            # [kv, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(T, H * D)
+
+
+# Query rows per block of a prefill's attention: the scores are heads x rows x S floats (256 rows
+# x 8192 positions x 16 heads = 128 MiB), whatever the prompt's length.
+ATTENTION_QUERY_BLOCK = 256
 
 
 # Router logits of fewer rows than this (decode, short prompts) are computed in C on the calling

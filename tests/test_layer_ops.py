@@ -87,6 +87,29 @@ def test_attention_one_position_matches_numpy(H, KV, D, S, window):
         np.testing.assert_array_equal(got, outs[0])
 
 
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_attention_in_query_blocks_matches_one_block(window, monkeypatch):
+    """A prefill's attention runs ATTENTION_QUERY_BLOCK query rows at a time (bounded scores);
+    the result is the one-block computation's, with causality and the window per row."""
+    rng = np.random.default_rng(3)
+    T, H, KV, D, past = 300, 4, 2, 16, 20
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    keys = rng.standard_normal((KV, past + T, D)).astype(np.float32)
+    values = rng.standard_normal((KV, past + T, D)).astype(np.float32)
+    pos = np.arange(past, past + T)
+    blocked = kernels.attention(q, keys, values, np.float32(0.25), pos, window)
+    monkeypatch.setattr(kernels, "ATTENTION_QUERY_BLOCK", 1 << 30)
+    whole = kernels.attention(q, keys, values, np.float32(0.25), pos, window)
+    assert blocked.shape == whole.shape == (T, H * D)
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
+    # the first query row sees positions 0..past only: changing a later key must not move it
+    keys2 = keys.copy()
+    keys2[:, past + 5] += 1.0
+    again = kernels.attention(q[:1], keys2[:, : past + 1], values[:, : past + 1], np.float32(0.25),
+                              pos[:1], window)
+    np.testing.assert_allclose(again, whole[:1], rtol=1e-5, atol=1e-6)
+
+
 def test_attention_rejects_mismatched_shapes():
     rng = np.random.default_rng(3)
     keys, values = _cache(rng, 2, 10, 8)
