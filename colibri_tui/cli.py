@@ -287,6 +287,8 @@ def cmd_plan(args) -> int:
     print(f"experts (disk)   {gb(plan.expert_bytes)} = {plan.moe_layers} layers x {plan.num_experts} experts")
     print(f"RAM tier         {plan.cap} slots/layer x {plan.moe_layers} layers = {gb(plan.ram_expert_bytes)} "
           f"({plan.mode}; available {gb(plan.available_bytes)})")
+    print(f"KV cache         {gb(plan.kv_bytes_per_position * 1024)} per 1024 positions"
+          + (f" ({gb(plan.kv_reserved_bytes)} kept free for it)" if plan.mode == "auto" else ""))
     print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
     print(f"projected hits   {plan.projected_hit_rate:.1%}")
     print(f"bound by         {plan.bound}")

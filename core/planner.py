@@ -11,8 +11,12 @@ from .errors import ColiError
 from .safetensors_io import DTYPES
 
 GB = 1e9
-RUNTIME_OVERHEAD = 512 << 20      # interpreter, libraries, KV cache and activations (small contexts)
+RUNTIME_OVERHEAD = 512 << 20      # interpreter, libraries, activations of a prefill pass
 AUTO_SHARE = 0.75                 # share of available memory the automatic budget may take
+# Positions of KV cache the automatic budget keeps room for (core.engine.KVCache reserves as many
+# at once; it maps pages as they are written and grows past them). A 78-layer model with 8 KV
+# heads of 128 needs 0.6 MiB per position: 2.6 GB at 4096, more than the runtime figure above.
+KV_CONTEXT = 4096
 ALIGN = 4096
 
 
@@ -30,6 +34,8 @@ class Plan:
     active_expert_bytes_per_token: int
     projected_hit_rate: float
     bound: str
+    kv_bytes_per_position: int = 0  # float32 keys and values of every layer
+    kv_reserved_bytes: int = 0      # what the automatic budget leaves for the KV cache
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +58,11 @@ def dense_ram_bytes(container: Container) -> int:
     return total
 
 
+def kv_bytes_per_position(spec: ArchSpec) -> int:
+    """Bytes of KV cache one position takes (float32 keys and values of every layer)."""
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+
+
 def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None, cap: int | None = None,
               usage: dict | None = None, disk_gbps: float = 1.0, ram_gbps: float = 25.0) -> Plan:
     if ram_gb is not None and cap is not None:
@@ -62,6 +73,8 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     slot = slot_bytes(container)
     dense = dense_ram_bytes(container)
     available = psutil.virtual_memory().available
+    kv_position = kv_bytes_per_position(spec)
+    kv_reserved = kv_position * min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
     if cap is not None:
         if cap < 1:
             raise ColiError("--cap must be >= 1")
@@ -74,7 +87,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
             raise ColiError(f"--ram-gb {ram_gb:g} is too small: one expert per layer needs "
                             f"{slot * len(layers) / GB:.3f} GB")
     else:
-        budget = AUTO_SHARE * available - dense - RUNTIME_OVERHEAD
+        budget = AUTO_SHARE * available - dense - RUNTIME_OVERHEAD - kv_reserved
         mode, n = "auto", max(1, int(budget // (slot * max(1, len(layers)))))
     n = min(n, E)
     expert_total = sum(l.end - l.start for l in experts.values())
@@ -85,7 +98,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     ram_s = (active * hit + dense) / (ram_gbps * GB)
     bound = "disk" if disk_s > ram_s else "ram-bandwidth"
     return Plan(mode, n, E, len(layers), expert_total, slot, slot * n * len(layers), dense, available,
-                active, hit, bound)
+                active, hit, bound, kv_position, kv_reserved)
 
 
 def _projected_hit_rate(usage: dict | None, layers, E: int, cap: int) -> float:

@@ -57,3 +57,32 @@ def test_peak_rss_within_budget_on_a_model_four_times_larger(model):
     assert m["bytes_read"] > m["slots"]          # it really streamed from disk
     full = _run(model, cap=32)                  # the same model fully resident does not fit that bound
     assert full["peak"] > bound
+
+
+def test_automatic_budget_keeps_room_for_the_kv_cache(monkeypatch):
+    """`coli plan` / open_model's automatic pool leaves the KV cache of KV_CONTEXT positions free
+    (a long chat must not push the process past the budget it was promised)."""
+    import psutil
+
+    from core import planner
+    from core.container import Container
+    from models import default_model, family_for
+
+    demo = default_model()
+    if demo is None:
+        pytest.skip("no embedded demo model in this checkout")
+    c = Container(demo)
+    spec = family_for(c.config).spec(c.config)
+    per_position = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    context = min(spec.max_position_embeddings or planner.KV_CONTEXT, planner.KV_CONTEXT)
+    slot = planner.slot_bytes(c)
+    layers = len({layer for layer, _ in c.experts})
+    dense = planner.dense_ram_bytes(c)
+    # available memory for exactly 3 slots per layer once dense, runtime and the KV cache are paid
+    avail = (dense + planner.RUNTIME_OVERHEAD + per_position * context + 3.5 * slot * layers) / planner.AUTO_SHARE
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": int(avail)})())
+    plan = planner.make_plan(c, spec)
+    assert (plan.kv_bytes_per_position, plan.kv_reserved_bytes) == (per_position, per_position * context)
+    assert plan.mode == "auto" and plan.cap == 3
+    monkeypatch.setattr(planner, "KV_CONTEXT", 0)          # without the KV room: one slot more
+    assert planner.make_plan(c, spec).cap > 3
