@@ -19,6 +19,7 @@ from .container import Container, Weight
 from .errors import ColiError
 from .events import Done, Stats, Token
 from .memory import lazy_array, peak_rss_bytes
+from .planner import kv_reserved_positions
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
 from .store import ExpertFFN, ExpertStore
@@ -37,19 +38,18 @@ class KVCache:
     contiguous, which is how attention reads them (position-major put every position of a head
     on its own page at long contexts).
 
-    The first append reserves RESERVE positions (or the model's maximum, if smaller) at once, in
+    The first append reserves core.planner.kv_reserved_positions (4096, or the model's maximum if
+    smaller; what the automatic RAM budget keeps free for it) at once, in
     an anonymous mapping (core.memory.lazy_array): address space only until positions are
     written, so RSS grows with the context and a growing array's copies are gone (doubling from
     64 positions stalled decode for 0.3-0.4 s at 256 and 512 positions of the OLMoE geometry).
     Past the reservation it doubles."""
 
-    RESERVE = 4096
-
     def __init__(self, spec: ArchSpec):
         self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.length = 0     # positions committed (all layers)
-        self.reserve = min(spec.max_position_embeddings or self.RESERVE, self.RESERVE)
+        self.reserve = kv_reserved_positions(spec)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views

@@ -13,9 +13,9 @@ from .safetensors_io import DTYPES
 GB = 1e9
 RUNTIME_OVERHEAD = 512 << 20      # interpreter, libraries, activations of a prefill pass
 AUTO_SHARE = 0.75                 # share of available memory the automatic budget may take
-# Positions of KV cache the automatic budget keeps room for (core.engine.KVCache reserves as many
-# at once; it maps pages as they are written and grows past them). A 78-layer model with 8 KV
-# heads of 128 needs 0.6 MiB per position: 2.6 GB at 4096, more than the runtime figure above.
+# Positions of KV cache reserved at once (core.engine.KVCache: it maps pages as they are written
+# and grows past them) and kept free by the automatic budget. A 78-layer model with 8 KV heads of
+# 128 needs 0.6 MiB per position: 2.6 GB at 4096, more than the runtime figure above.
 KV_CONTEXT = 4096
 ALIGN = 4096
 
@@ -58,6 +58,11 @@ def dense_ram_bytes(container: Container) -> int:
     return total
 
 
+def kv_reserved_positions(spec: ArchSpec) -> int:
+    """KV_CONTEXT, or the model's maximum context if smaller."""
+    return min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
+
+
 def kv_bytes_per_position(spec: ArchSpec) -> int:
     """Bytes of KV cache one position takes (float32 keys and values of every layer)."""
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
@@ -74,7 +79,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     dense = dense_ram_bytes(container)
     available = psutil.virtual_memory().available
     kv_position = kv_bytes_per_position(spec)
-    kv_reserved = kv_position * min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
+    kv_reserved = kv_position * kv_reserved_positions(spec)
     if cap is not None:
         if cap < 1:
             raise ColiError("--cap must be >= 1")
