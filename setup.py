@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -107,7 +108,8 @@ class BuildExt(build_ext):
 
 extensions = cythonize(
     [Extension("cython_kernels.qmatmul", ["cython_kernels/qmatmul.pyx"],
-               include_dirs=["cython_kernels"], depends=["cython_kernels/qkern.h", "cython_kernels/qkern_neon.h",
+               include_dirs=["cython_kernels", numpy.get_include()],
+               define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")], depends=["cython_kernels/qkern.h", "cython_kernels/qkern_neon.h",
                                                        "cython_kernels/layer_ops.h", "cython_kernels/layer_ops.pxi"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
 )

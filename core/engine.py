@@ -231,15 +231,15 @@ class Engine:
         contrib = np.empty((h.shape[0], top.shape[1], h.shape[1]), np.float32)
         for batch in self.store.request_batches(i, used):
             if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
-                y = kernels.swiglu_many(h, [ffn for _, ffn in batch], [(0, 1)] * len(batch))
-                ranks = [ids.index(e) for e, _ in batch]
-                contrib[0, ranks] = y * weights[0, ranks][:, None]
+                kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
                 continue
             picks = [np.nonzero(top == e) for e, _ in batch]
             rows = np.concatenate([r for r, _ in picks])
             ranks = np.concatenate([k for _, k in picks])
             y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+        if h.shape[0] == 1:
+            contrib[0] *= weights[0][:, None]
         return np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
 
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:

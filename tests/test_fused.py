@@ -93,6 +93,53 @@ def test_swiglu_many_equals_expert_ffn(H, I, gs):
             np.testing.assert_array_equal(y[a: a + n], expert_ffn(xs[a: a + n], f))
 
 
+@pytest.mark.parametrize("H,I,gs", [(64, 32, 32), (136, 66, 64), (2048, 1024, 64), (130, 70, 128)])
+def test_swiglu_one_equals_expert_ffn(H, I, gs):
+    """Decode's one-call MoE block: each expert's row lands where asked, with expert_ffn's bits,
+    for every SIMD variant, thread count and the int8-activation path."""
+    rng = np.random.default_rng(H + I)
+    ffns = [ExpertFFN(_w4(rng, I, H, gs), _w4(rng, I, H, gs), _w4(rng, H, I, gs)) for _ in range(5)]
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    x[0, :3] = (-100.0, 100.0, 0.0)       # exp overflow inside silu stays silent and exact
+    at = [3, 0, 6, 1, 4]
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        for i8 in (False, True):
+            qm.set_int8_activations(i8)
+            qm.set_num_threads(1)
+            want = [expert_ffn(x, f) for f in ffns]
+            for threads in (1, 2):
+                qm.set_num_threads(threads)
+                out = np.full((7, H), np.nan, np.float32)
+                kernels.swiglu_one(x, ffns, out, at)
+                for f, k, w in zip(ffns, at, want):
+                    np.testing.assert_array_equal(out[k: k + 1], w, err_msg=f"{variant} i8={i8} t={threads}")
+                assert np.isnan(out[[2, 5]]).all()          # rows not asked for are untouched
+
+
+def test_swiglu_one_rejects_bad_input_and_falls_back_for_other_schemes():
+    rng = np.random.default_rng(3)
+    f = ExpertFFN(_w4(rng, 32, 64, 32), _w4(rng, 32, 64, 32), _w4(rng, 64, 32, 32))
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    parts = (f.gate.data, f.gate.scales, f.up.data, f.up.scales, f.down.data, f.down.scales)
+    out = np.empty((2, 64), np.float32)
+    with pytest.raises(ValueError, match="outside"):
+        qm.swiglu_one(x, [parts], 32, out, [2])
+    with pytest.raises(ValueError, match="up_s"):
+        qm.swiglu_one(x, [parts[:3] + (parts[3][:, :1],) + parts[4:]], 32, out, [0])
+    with pytest.raises(ValueError, match="down_w"):
+        qm.swiglu_one(x, [parts[:4] + (parts[4][:10],) + parts[5:]], 32, out, [0])
+    with pytest.raises(ValueError, match="x must be"):
+        qm.swiglu_one(np.ascontiguousarray(np.vstack([x, x])), [parts], 32, out, [0])
+    with pytest.raises(ValueError, match="out must be"):
+        qm.swiglu_one(x, [parts], 32, out.astype(np.float64), [0])
+    q, s = quantize_int8(rng.standard_normal((32, 64)).astype(np.float32))
+    mixed = ExpertFFN(Weight("int8", (32, 64), q, s), f.up, f.down)
+    kernels.swiglu_one(x, [f, mixed], out, [1, 0])
+    np.testing.assert_array_equal(out[1:], expert_ffn(x, f))
+    np.testing.assert_array_equal(out[:1], expert_ffn(x, mixed))
+
+
 def test_store_batches_hits_together(containers):
     """request_batches yields all hits as the first batch, then misses; every expert once."""
     c4 = containers(oracle_names()[0], 4)
