@@ -43,13 +43,22 @@ class KVCache:
     an anonymous mapping (core.memory.lazy_array): address space only until positions are
     written, so RSS grows with the context and a growing array's copies are gone (doubling from
     64 positions stalled decode for 0.3-0.4 s at 256 and 512 positions of the OLMoE geometry).
-    Past the reservation it doubles."""
+    Past the reservation it doubles.
 
-    def __init__(self, spec: ArchSpec):
-        self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
-        self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+    ``recycled``: the arrays of a finished cache (``buffers()``) to write over instead: their
+    pages are mapped already (Engine.new_cache)."""
+
+    def __init__(self, spec: ArchSpec, recycled: tuple[list, list] | None = None):
+        if recycled is not None:
+            self.k, self.v = list(recycled[0]), list(recycled[1])
+        else:
+            self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+            self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
         self.length = 0     # positions committed (all layers)
         self.reserve = kv_reserved_positions(spec)
+
+    def buffers(self) -> tuple[list, list]:
+        return self.k, self.v
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
@@ -133,7 +142,22 @@ class Engine:
         self.usage_history: dict[tuple[int, int], float] = {}
         self.usage_file = None       # where save_usage() writes the merged history (.coli_usage)
         self.routed: dict[int, list[int]] = {}     # layer -> experts of the latest step (live view)
+        self._kv_spare: tuple[list, list] | None = None    # a finished cache's arrays (new_cache)
         self.reset_counters()
+
+    def new_cache(self) -> KVCache:
+        """A KV cache writing over the memory of the last one handed back (recycle_cache), if any.
+        Its pages are mapped already: each new page of a cache costs a fault and zeroing, ~16 us
+        on the benchmark VM, which for the OLMoE geometry (64 new pages per token) was ~1 ms of
+        every decode step; a chat's later turns no longer pay it."""
+        spare, self._kv_spare = self._kv_spare, None
+        return KVCache(self.spec, spare)
+
+    def recycle_cache(self, cache: KVCache) -> None:
+        """Hand back a cache nobody uses any more, for the next new_cache (the larger is kept)."""
+        spare = self._kv_spare
+        if spare is None or spare[0][0].shape[1] <= cache.k[0].shape[1]:
+            self._kv_spare = cache.buffers()
 
     def placement(self) -> dict[int, dict[int, str]]:
         """layer -> {expert: tier} for every expert not on disk only (the live Brain map)."""
@@ -270,7 +294,11 @@ class Engine:
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, float32 [T, vocab], from one batched pass."""
-        return self.forward(ids, KVCache(self.spec), all_logits=True)
+        cache = self.new_cache()
+        try:
+            return self.forward(ids, cache, all_logits=True)
+        finally:
+            self.recycle_cache(cache)
 
     # Prompts are prefilled PREFILL_CHUNK positions at a time: a pass's activations grow with its
     # length (the MoE block's [T, top-k, hidden] contributions: 470 MB for 2048 positions of a
@@ -311,7 +339,13 @@ class Engine:
         if not ids:
             raise ColiError("empty prompt")
         self._cancel.clear()
-        sample, cache = Sampler(sampling), KVCache(self.spec)
+        sample, cache = Sampler(sampling), self.new_cache()
+        try:
+            yield from self._generate(ids, sample, cache, stop, max_new_tokens)
+        finally:
+            self.recycle_cache(cache)
+
+    def _generate(self, ids, sample, cache, stop, max_new_tokens):
         stops = [s for s in stop if s]
         decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         eos = set(self.spec.eos_token_ids)

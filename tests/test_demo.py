@@ -89,3 +89,24 @@ def test_long_prompts_are_prefilled_in_chunks():
     events = list(engine.generate(ids, SamplingParams(temperature=0.0), max_new_tokens=8))
     assert calls[before: before + len(ids) // 5] == [5] * (len(ids) // 5)     # generate chunks too
     assert [e.id for e in events if type(e).__name__ == "Token"] == _greedy(open_model(DEMO, threads=1), ids, 8)
+
+
+def test_generations_reuse_the_kv_memory_and_give_the_same_tokens():
+    """A finished generation hands its KV arrays to the next (their pages are mapped already);
+    the stale positions they hold never reach attention: a repeated prompt gives the same
+    tokens and logits after a longer and a shorter conversation."""
+    engine = open_model(DEMO, threads=1)
+    greedy = SamplingParams(greedy=True)
+
+    def run(prompt, n):
+        events = list(engine.generate(prompt, greedy, max_new_tokens=n))
+        return events[-2].extra["ids"]
+
+    first = run([1, 2, 3, 4, 5], 12)
+    spare = engine._kv_spare
+    assert spare is not None and spare[0][0].shape[1] >= 17
+    run(list(range(7, 60)), 20)                      # longer: overwrites those positions
+    assert engine._kv_spare[0][0] is spare[0][0]     # the same memory went round again
+    assert run([1, 2, 3, 4, 5], 12) == first
+    fresh = engine.forward([1, 2, 3, 4, 5], KVCache(engine.spec), all_logits=True)
+    np.testing.assert_array_equal(engine.logits([1, 2, 3, 4, 5]), fresh)
