@@ -263,7 +263,7 @@ class Engine:
             y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         if h.shape[0] == 1:
-            contrib[0] *= weights[0][:, None]
+            return kernels.rank_sum(contrib[0], weights[0])
         return np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
 
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:

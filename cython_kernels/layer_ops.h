@@ -292,4 +292,20 @@ static void coli_softmax_topk(const float *logits, coli_ix T, coli_ix E, coli_ix
     }
 }
 
+/* The MoE block's output for one row: out = c[0] w[0] + c[1] w[1] + ... in that order, each
+ * product rounded, then each sum (the build has -ffp-contract=off): the bits of numpy's
+ * (c * w[:, None]) summed over ranks by np.add.reduce along that axis. c: [k][H]. */
+static void coli_rank_sum(const float *c, const float *w, coli_ix k, coli_ix H, float *out)
+{
+    coli_ix r, j;
+    for (j = 0; j < H; j++)
+        out[j] = c[j] * w[0];
+    for (r = 1; r < k; r++) {
+        const float *cr = c + r * H;
+        float wr = w[r];
+        for (j = 0; j < H; j++)
+            out[j] = out[j] + cr[j] * wr;
+    }
+}
+
 #endif

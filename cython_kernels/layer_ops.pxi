@@ -14,6 +14,8 @@ cdef extern from "layer_ops.h":
                           Py_ssize_t D, int level) noexcept nogil
     void coli_softmax_topk(const float* logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
                            int norm, float* probs, int64_t* top, float* wts) noexcept nogil
+    void coli_rank_sum(const float* c, const float* w, Py_ssize_t k, Py_ssize_t H,
+                       float* out) noexcept nogil
 
 
 def rms_norm(const float[:, ::1] x, const float[::1] w, float eps):
@@ -94,3 +96,17 @@ def softmax_topk(const float[:, ::1] logits, Py_ssize_t k, bint norm):
         with nogil:
             coli_softmax_topk(&logits[0, 0], T, E, k, norm, &pv[0, 0], &tv[0, 0], &wv[0, 0])
     return top, wts
+
+
+def rank_sum(const float[:, ::1] c, const float[::1] w):
+    """c[0] * w[0] + c[1] * w[1] + ..., in that order (numpy's bits for
+    np.add.reduce(c * w[:, None], axis=0)); returns [1, H]."""
+    cdef Py_ssize_t k = c.shape[0], H = c.shape[1]
+    if w.shape[0] != k or k == 0:
+        raise ValueError(f"rank_sum: {k} rows and {w.shape[0]} weights")
+    out = np.empty((1, H), np.float32)
+    cdef float[:, ::1] ov = out
+    if H:
+        with nogil:
+            coli_rank_sum(&c[0, 0], &w[0], k, H, &ov[0, 0])
+    return out

@@ -188,3 +188,20 @@ def test_kv_cache_reservation_costs_no_memory_until_written():
     grown = psutil.Process().memory_info().rss - before
     assert cache.k[0].shape == (16, 4096, 128) and keys.shape == (16, 1, 128)
     assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.0f} MiB for one position"
+
+
+@pytest.mark.parametrize("k,H", [(1, 5), (2, 64), (8, 2048), (9, 131)])
+def test_rank_sum_has_numpys_bits(k, H):
+    """Decode's weighted sum over ranks: the bits of the numpy expression it replaces, in rank
+    order (values spread over many magnitudes, so another order would round differently)."""
+    rng = np.random.default_rng(k * H)
+    c = (rng.standard_normal((k, H)) * 10.0 ** rng.integers(-4, 5, (k, H))).astype(np.float32)
+    w = rng.random(k).astype(np.float32)
+    got = kernels.rank_sum(c, w)
+    want = np.add.reduce(c * w[:, None], axis=0, keepdims=True)
+    assert got.shape == (1, H)
+    np.testing.assert_array_equal(got, want)
+    if k > 2:       # the order matters for these values: a reversed sum differs somewhere
+        rev = np.add.reduce((c * w[:, None])[::-1], axis=0, keepdims=True)
+        assert not np.array_equal(rev, want)
+    np.testing.assert_array_equal(_numpy(kernels.rank_sum, c, w), want)
