@@ -625,16 +625,16 @@ def expert_swiglu(x, gate_w, gate_s, up_w, up_s, down_w, down_s, int cols_in, in
 # --- decode: the routed experts of one row ------------------------------------------------------
 
 cdef inline char* _arr2(object a, int typenum, Py_ssize_t d0, Py_ssize_t d1, int i, str what) except NULL:
-    """Data pointer of a C-contiguous 2-D array of the given type and shape (d0 < 0: any rows)."""
+    """Data pointer of a C-contiguous 2-D array of the given type and shape [d0, d1]."""
     cdef cnp.ndarray arr
     if not cnp.PyArray_Check(a):
         raise TypeError(f"experts[{i}]: {what} is not a numpy array")
     arr = <cnp.ndarray>a
     if (cnp.PyArray_NDIM(arr) != 2 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
             or (cnp.PyArray_TYPE(arr) != typenum and not (typenum == cnp.NPY_UINT8 and cnp.PyArray_TYPE(arr) == cnp.NPY_INT8))
-            or (d0 >= 0 and cnp.PyArray_DIM(arr, 0) != d0) or cnp.PyArray_DIM(arr, 1) != d1):
+            or cnp.PyArray_DIM(arr, 0) != d0 or cnp.PyArray_DIM(arr, 1) != d1):
         raise ValueError(f"experts[{i}]: {what} must be a C-contiguous "
-                         f"{'uint8' if typenum == cnp.NPY_UINT8 else 'float32'} [{d0 if d0 >= 0 else 'H'}, {d1}] array")
+                         f"{'uint8' if typenum == cnp.NPY_UINT8 else 'float32'} [{d0}, {d1}] array")
     return <char*>cnp.PyArray_DATA(arr)
 
 
@@ -662,6 +662,8 @@ def swiglu_one(x, list experts, int group_size, out, rows):
         raise ValueError("out must be a writeable C-contiguous float32 [k, H] array")
     if len(rows) != n:
         raise ValueError("experts and rows must have the same length")
+    if len(set(rows)) != n:     # two experts writing one row would race between threads
+        raise ValueError("rows must be distinct")
     if n == 0:
         return out
     cdef Py_ssize_t cols = cnp.PyArray_DIM(xa, 1), H = cnp.PyArray_DIM(oa, 1), kout = cnp.PyArray_DIM(oa, 0)
@@ -680,7 +682,7 @@ def swiglu_one(x, list experts, int group_size, out, rows):
         free(dims)
         raise MemoryError()
     # p: gate/up weights [2n] | gate/up scales [2n] | gate/up outputs [2n] | down w, s, out [3n]
-    # dims: gate/up rows [2n] | gate/up t0 [2n] (zeros) | ones [n] .. reused as down T
+    # dims: gate/up rows [2n] | gate/up t0 [2n] (zeros) | T = 1 per matrix [2n] (down reads n)
     cdef Py_ssize_t* Os = dims
     cdef Py_ssize_t* t0 = dims + 2 * n
     cdef Py_ssize_t* Ts = dims + 4 * n          # 2n ones (gate/up), the down pass reads n of them

@@ -125,6 +125,8 @@ def test_swiglu_one_rejects_bad_input_and_falls_back_for_other_schemes():
     out = np.empty((2, 64), np.float32)
     with pytest.raises(ValueError, match="outside"):
         qm.swiglu_one(x, [parts], 32, out, [2])
+    with pytest.raises(ValueError, match="distinct"):
+        qm.swiglu_one(x, [parts, parts], 32, out, [1, 1])
     with pytest.raises(ValueError, match="up_s"):
         qm.swiglu_one(x, [parts[:3] + (parts[3][:, :1],) + parts[4:]], 32, out, [0])
     with pytest.raises(ValueError, match="down_w"):
