@@ -205,3 +205,14 @@ def test_rank_sum_has_numpys_bits(k, H):
         rev = np.add.reduce((c * w[:, None])[::-1], axis=0, keepdims=True)
         assert not np.array_equal(rev, want)
     np.testing.assert_array_equal(_numpy(kernels.rank_sum, c, w), want)
+
+
+def test_silu_mul_in_place_has_silus_bits():
+    rng = np.random.default_rng(7)
+    g = (rng.standard_normal((33, 70)) * 30).astype(np.float32)
+    g[0, :3] = (-200.0, 200.0, 0.0)           # exp overflow: silu gives -0, silently
+    u = rng.standard_normal((33, 70)).astype(np.float32)
+    want = kernels.silu(g) * u
+    got = kernels.silu_mul(g, u.copy())
+    np.testing.assert_array_equal(got, want)
+    assert np.signbit(got[0, 0]) == np.signbit(want[0, 0])
