@@ -22,6 +22,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="RAM cache policy: lru, lfru or pinned (default: the config)")
     p.add_argument("--no-prefetch", action="store_true", default=None, help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", default=None, help="read experts with O_DIRECT")
+    p.add_argument("--kv-cache", choices=("float32", "float16"), default=None,
+                   help="KV cache precision (float16: half the memory, outputs change slightly)")
 
 
 def add_parsers(subparsers) -> argparse.ArgumentParser:
@@ -35,7 +37,8 @@ def engine_options(args) -> dict:
     opts = {"threads": getattr(args, "threads", None), "ram_gb": getattr(args, "ram_gb", None),
             "cap": getattr(args, "cap", None), "policy": getattr(args, "policy", None),
             "prefetch": False if getattr(args, "no_prefetch", None) else None,
-            "o_direct": True if getattr(args, "o_direct", None) else None}
+            "o_direct": True if getattr(args, "o_direct", None) else None,
+            "kv_cache": getattr(args, "kv_cache", None)}
     if opts["threads"] is not None and opts["threads"] < 1:
         raise ColiError("--threads must be >= 1")
     from core.policies import POLICY_NAMES

@@ -42,6 +42,9 @@ def _add_model(p, store=True):
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--int8-activations", action="store_true",
                    help="faster int4 products with x rounded to int8 (~0.5%% rms error; off by default)")
+    p.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",
+                   help="KV cache precision: float16 halves its memory and attention's reads at long "
+                        "contexts, and changes outputs slightly (default: float32)")
     if not store:
         return
     g = p.add_mutually_exclusive_group()
@@ -68,7 +71,7 @@ def _open(args):
     kernels.set_int8_activations(getattr(args, "int8_activations", False))
     return open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
                       policy=args.policy or DEFAULT_POLICY, prefetch=not args.no_prefetch,
-                      o_direct=args.o_direct)
+                      o_direct=args.o_direct, kv_cache=args.kv_cache)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +279,8 @@ def cmd_plan(args) -> int:
 
     c = Container(_need_model(args))
     spec = family_for(c.config).spec(c.config)
-    plan = make_plan(c, spec, ram_gb=args.ram_gb, cap=args.cap, usage=load_model_usage(c, spec))
+    plan = make_plan(c, spec, ram_gb=args.ram_gb, cap=args.cap, usage=load_model_usage(c, spec),
+                     kv_cache=args.kv_cache)
     d = plan.as_dict()
     if args.json:
         print(json.dumps(d))

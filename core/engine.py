@@ -46,14 +46,17 @@ class KVCache:
     Past the reservation it doubles.
 
     ``recycled``: the arrays of a finished cache (``buffers()``) to write over instead: their
-    pages are mapped already (Engine.new_cache)."""
+    pages are mapped already (Engine.new_cache). ``dtype``: float32, or the opt-in float16 (half
+    the memory and the reads of attention; keys and values rounded to half precision, so outputs
+    change slightly -- see README)."""
 
-    def __init__(self, spec: ArchSpec, recycled: tuple[list, list] | None = None):
-        if recycled is not None:
+    def __init__(self, spec: ArchSpec, recycled: tuple[list, list] | None = None, dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+        if recycled is not None and recycled[0][0].dtype == self.dtype:
             self.k, self.v = list(recycled[0]), list(recycled[1])
         else:
-            self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
-            self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), np.float32) for _ in range(spec.num_layers)]
+            self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), self.dtype) for _ in range(spec.num_layers)]
+            self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), self.dtype) for _ in range(spec.num_layers)]
         self.length = 0     # positions committed (all layers)
         self.reserve = kv_reserved_positions(spec)
 
@@ -68,7 +71,7 @@ class KVCache:
             cap = max(n, 2 * self.k[layer].shape[1], self.reserve)
             for store in (self.k, self.v):
                 old = store[layer]
-                grown = lazy_array((old.shape[0], cap, old.shape[2]))
+                grown = lazy_array((old.shape[0], cap, old.shape[2]), self.dtype)
                 grown[:, : self.length] = old[:, : self.length]
                 store[layer] = grown
         self.k[layer][:, self.length: n] = k.transpose(1, 0, 2)
@@ -111,8 +114,9 @@ def _linear(x, w: Weight, bias):
 
 class Engine:
     def __init__(self, container: Container, spec: ArchSpec, store: ExpertStore | None = None,
-                 tokenizer=None, threads: int | None = None):
+                 tokenizer=None, threads: int | None = None, kv_dtype=np.float32):
         self.container, self.spec, self.tokenizer = container, spec, tokenizer
+        self.kv_dtype = np.dtype(kv_dtype)     # KVCache's: float32, or the opt-in float16
         kernels.set_threads(threads)
         c = container
         self.embed = c.load("model.embed_tokens.weight")
@@ -151,7 +155,7 @@ class Engine:
         on the benchmark VM, which for the OLMoE geometry (64 new pages per token) was ~1 ms of
         every decode step; a chat's later turns no longer pay it."""
         spare, self._kv_spare = self._kv_spare, None
-        return KVCache(self.spec, spare)
+        return KVCache(self.spec, spare, self.kv_dtype)
 
     def recycle_cache(self, cache: KVCache) -> None:
         """Hand back a cache nobody uses any more, for the next new_cache (the larger is kept)."""

@@ -282,8 +282,13 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
     KV = keys.shape[0]
     if T == 1 and _compiled is not None:
         lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
-        return _compiled.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), keys, values,
-                                    float(scale), lo)
+        q1 = np.ascontiguousarray(q[0], dtype=np.float32)
+        if keys.dtype == np.float16:       # an opt-in float16 cache: widened in the kernel
+            return _compiled.attend_one_f16(q1, keys.view(np.uint16), values.view(np.uint16),
+                                            float(scale), lo)
+        return _compiled.attend_one(q1, keys, values, float(scale), lo)
+    if keys.dtype != np.float32:
+        keys, values = keys.astype(np.float32), values.astype(np.float32)
     if T > ATTENTION_QUERY_BLOCK:     # bounded scores: [kv, G, block, S] at a time
         B = ATTENTION_QUERY_BLOCK
         return np.concatenate([attention(q[t: t + B], keys, values, scale, pos[t: t + B], window)

@@ -34,7 +34,7 @@ class Plan:
     active_expert_bytes_per_token: int
     projected_hit_rate: float
     bound: str
-    kv_bytes_per_position: int = 0  # float32 keys and values of every layer
+    kv_bytes_per_position: int = 0  # keys and values of every layer (float32, or float16)
     kv_reserved_bytes: int = 0      # what the automatic budget leaves for the KV cache
 
     def as_dict(self) -> dict:
@@ -63,13 +63,17 @@ def kv_reserved_positions(spec: ArchSpec) -> int:
     return min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
 
 
-def kv_bytes_per_position(spec: ArchSpec) -> int:
-    """Bytes of KV cache one position takes (float32 keys and values of every layer)."""
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+KV_DTYPES = {"float32": 4, "float16": 2}      # --kv-cache: bytes per key / value element
+
+
+def kv_bytes_per_position(spec: ArchSpec, kv_cache: str = "float32") -> int:
+    """Bytes of KV cache one position takes (keys and values of every layer)."""
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * KV_DTYPES[kv_cache]
 
 
 def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None, cap: int | None = None,
-              usage: dict | None = None, disk_gbps: float = 1.0, ram_gbps: float = 25.0) -> Plan:
+              usage: dict | None = None, disk_gbps: float = 1.0, ram_gbps: float = 25.0,
+              kv_cache: str = "float32") -> Plan:
     if ram_gb is not None and cap is not None:
         raise ColiError("give --ram-gb or --cap, not both")
     experts = container.experts
@@ -78,7 +82,9 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     slot = slot_bytes(container)
     dense = dense_ram_bytes(container)
     available = psutil.virtual_memory().available
-    kv_position = kv_bytes_per_position(spec)
+    if kv_cache not in KV_DTYPES:
+        raise ColiError(f"--kv-cache must be one of {', '.join(KV_DTYPES)}, got {kv_cache!r}")
+    kv_position = kv_bytes_per_position(spec, kv_cache)
     kv_reserved = kv_position * kv_reserved_positions(spec)
     if cap is not None:
         if cap < 1:

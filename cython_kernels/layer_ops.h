@@ -179,8 +179,6 @@ COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *p, float sum, const
                                                 coli_ix n, coli_ix D, float *out)
 {
     coli_ix j, d;
-    for (d = 0; d < D; d += 8)
-        _mm256_storeu_ps(out + d, _mm256_setzero_ps());
     for (j = 0; j < n; j++) {
         const float *v = V + j * D;
         __m256 pj = _mm256_set1_ps(p[j] / sum);
@@ -191,7 +189,8 @@ COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *p, float sum, const
 }
 #endif
 
-/* out[D] = sum over rows j < n of (p[j] / sum) * V[j], rows added in order. */
+/* out[D] += (p[j] / sum) * V[j] for rows j < n, added in order (callers zero out first; a cache
+ * read in chunks adds chunk after chunk: the same bits). */
 static void coli_weighted_rows(const float *p, float sum, const float *V, coli_ix n, coli_ix D,
                                float *out, int avx2)
 {
@@ -203,8 +202,6 @@ static void coli_weighted_rows(const float *p, float sum, const float *V, coli_i
     }
 #endif
     (void)avx2;
-    for (d = 0; d < D; d++)
-        out[d] = 0.0f;
     for (j = 0; j < n; j++) {
         const float *v = V + j * D;
         float pj = p[j] / sum;
@@ -218,19 +215,108 @@ static void coli_weighted_rows(const float *p, float sum, const float *V, coli_i
 static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
                              coli_ix S, float scale, float *p, float *out, int avx2)
 {
-    coli_ix n = S - lo;
+    coli_ix n = S - lo, d;
     coli_dots(q, K + lo * D, n, D, p, avx2);
+    for (d = 0; d < D; d++)
+        out[d] = 0.0f;
     coli_weighted_rows(p, coli_softmax_unnorm(p, n, scale), V + lo * D, n, D, out, avx2);
+}
+
+/* ---- float16 KV cache (opt-in) ----------------------------------------------------------------
+ * Keys and values stored as IEEE half precision are widened to float32 exactly (every half is a
+ * float), CH rows at a time into a small buffer, and go through the float32 head code above: the
+ * result has the bits of the float32 kernel over the widened values, for every variant. */
+enum { COLI_KV_CHUNK = 64 };
+
+static float coli_h2f(uint16_t h)
+{
+    /* exponent/mantissa moved into place and rebiased; subnormals via an exact float subtraction */
+    union { uint32_t u; float f; } o, magic;
+    uint32_t e = (uint32_t)(h & 0x7c00u);
+    magic.u = 113u << 23;
+    o.u = ((uint32_t)(h & 0x7fffu) << 13) + ((127u - 15u) << 23);
+    if (e == 0x7c00u)
+        o.u += (128u - 16u) << 23;            /* inf / nan */
+    else if (e == 0) {
+        o.u += 1u << 23;                      /* zero / subnormal */
+        o.f -= magic.f;
+    }
+    o.u |= (uint32_t)(h & 0x8000u) << 16;
+    return o.f;
+}
+
+#if COLI_X86
+/* coli_h2f on 8 halves at a time (AVX2 integer operations; the same exact values). */
+COLI_T_AVX2 static void coli_h2f_avx2(const uint16_t *h, float *f, coli_ix n)
+{
+    const __m256i mant = _mm256_set1_epi32(0x7fff), infe = _mm256_set1_epi32(0x7c00 << 13);
+    const __m256i bias = _mm256_set1_epi32((127 - 15) << 23), infb = _mm256_set1_epi32((128 - 16) << 23);
+    const __m256i one = _mm256_set1_epi32(1 << 23), zero = _mm256_setzero_si256();
+    const __m256 magic = _mm256_castsi256_ps(_mm256_set1_epi32(113 << 23));
+    coli_ix i;
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
+        __m256i o = _mm256_slli_epi32(_mm256_and_si256(x, mant), 13);
+        __m256i e = _mm256_and_si256(o, infe);
+        __m256i isinf = _mm256_cmpeq_epi32(e, infe), isden = _mm256_cmpeq_epi32(e, zero);
+        __m256 den;
+        o = _mm256_add_epi32(o, bias);
+        o = _mm256_add_epi32(o, _mm256_and_si256(isinf, infb));
+        den = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_add_epi32(o, one)), magic);
+        o = _mm256_blendv_epi8(o, _mm256_castps_si256(den), isden);
+        o = _mm256_or_si256(o, _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x8000)), 16));
+        _mm256_storeu_ps(f + i, _mm256_castsi256_ps(o));
+    }
+    for (; i < n; i++)
+        f[i] = coli_h2f(h[i]);
+}
+#endif
+
+static void coli_h2f_rows(const uint16_t *h, float *f, coli_ix n, int avx2)
+{
+    coli_ix i;
+#if COLI_X86
+    if (avx2) {
+        coli_h2f_avx2(h, f, n);
+        return;
+    }
+#endif
+    (void)avx2;
+    for (i = 0; i < n; i++)
+        f[i] = coli_h2f(h[i]);
+}
+
+/* coli_attend_head over a float16 cache; buf: COLI_KV_CHUNK * D floats of scratch. */
+static void coli_attend_head_h(const float *q, const uint16_t *K, const uint16_t *V, coli_ix D,
+                               coli_ix lo, coli_ix S, float scale, float *p, float *buf,
+                               float *out, int avx2)
+{
+    coli_ix n = S - lo, j, m, d;
+    float sum;
+    for (j = 0; j < n; j += m) {
+        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
+        coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
+        coli_dots(q, buf, m, D, p + j, avx2);
+    }
+    sum = coli_softmax_unnorm(p, n, scale);
+    for (d = 0; d < D; d++)
+        out[d] = 0.0f;
+    for (j = 0; j < n; j += m) {
+        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
+        coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
+        coli_weighted_rows(p + j, sum, buf, m, D, out, avx2);
+    }
 }
 
 /* Attention of one query position (decode): q [H][D]; K / V: the cache of kv head g at
  * K + g * ks (resp. V + g * vs), positions 0..S-1 of D floats each (rows before lo are outside a
  * sliding window); out [H][D]. Query head h reads kv head h / (H / KV). Heads are split between
  * nt threads; each head is computed by one thread. level: qkern.h's SIMD level (AVX2 and
- * AVX-512 run the AVX2 variant). Returns -1 when scratch cannot be allocated. */
-static int coli_attend_one(const float *q, const float *K, const float *V, coli_ix ks, coli_ix vs,
+ * AVX-512 run the AVX2 variant). half: K and V are float16 (uint16_t; ks / vs in halves), widened
+ * in the kernel. Returns -1 when scratch cannot be allocated. */
+static int coli_attend_one(const float *q, const void *K, const void *V, coli_ix ks, coli_ix vs,
                            float *out, coli_ix H, coli_ix KV, coli_ix D, coli_ix lo, coli_ix S,
-                           float scale, int nt, int level)
+                           float scale, int nt, int level, int half)
 {
     coli_ix n = S - lo, G = H / KV, h;
     int avx2 = 0;
@@ -241,7 +327,7 @@ static int coli_attend_one(const float *q, const float *K, const float *V, coli_
         return 0;
     }
     avx2 = coli_ops_avx2(level, D);
-    p = (float *)malloc(sizeof(float) * (size_t)(H * n));
+    p = (float *)malloc(sizeof(float) * (size_t)(H * n + (half ? H * COLI_KV_CHUNK * D : 0)));
     if (p == NULL)
         return -1;
     /* a parallel region costs more than a short context's whole attention */
@@ -250,9 +336,16 @@ static int coli_attend_one(const float *q, const float *K, const float *V, coli_
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (h = 0; h < H; h++)
-        coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
-                         p + h * n, out + h * D, avx2);
+    for (h = 0; h < H; h++) {
+        if (half)
+            coli_attend_head_h(q + h * D, (const uint16_t *)K + (h / G) * ks,
+                               (const uint16_t *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
+                               p + H * n + h * COLI_KV_CHUNK * D, out + h * D, avx2);
+        else
+            coli_attend_head(q + h * D, (const float *)K + (h / G) * ks,
+                             (const float *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
+                             out + h * D, avx2);
+    }
     free(p);
     return 0;
 }

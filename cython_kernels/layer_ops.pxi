@@ -1,19 +1,22 @@
 # The per-layer operations of a decode step (layer_ops.h), included by qmatmul.pyx so the binary
 # ships one extension. Arguments are C-contiguous float32 (core.kernels makes them so).
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t
 
 cdef extern from "layer_ops.h":
     void coli_rms_norm(const float* x, const float* w, float* y, Py_ssize_t rows, Py_ssize_t n,
                        float eps) noexcept nogil
     void coli_rope(float* x, const float* cs, const float* sn, Py_ssize_t T, Py_ssize_t H,
                    Py_ssize_t D) noexcept nogil
-    int coli_attend_one(const float* q, const float* K, const float* V, Py_ssize_t ks,
+    int coli_attend_one(const float* q, const void* K, const void* V, Py_ssize_t ks,
                         Py_ssize_t vs, float* out, Py_ssize_t H, Py_ssize_t KV, Py_ssize_t D,
-                        Py_ssize_t lo, Py_ssize_t S, float scale, int nt, int level) noexcept nogil
+                        Py_ssize_t lo, Py_ssize_t S, float scale, int nt, int level,
+                        int half) noexcept nogil
     void coli_matvec_rows(const float* x, const float* W, float* out, Py_ssize_t T, Py_ssize_t E,
                           Py_ssize_t D, int level) noexcept nogil
     void coli_softmax_topk(const float* logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
                            int norm, float* probs, int64_t* top, float* wts) noexcept nogil
+    void coli_h2f_rows(const uint16_t* h, float* f, Py_ssize_t n, int avx2) noexcept nogil
+    int coli_ops_avx2(int level, Py_ssize_t D) noexcept nogil
     void coli_rank_sum(const float* c, const float* w, Py_ssize_t k, Py_ssize_t H,
                        float* out) noexcept nogil
 
@@ -60,9 +63,43 @@ def attend_one(const float[:, ::1] q, const float[:, :, :] keys, const float[:, 
         with nogil:
             rc = coli_attend_one(&q[0, 0], &keys[0, 0, 0] if S else NULL,
                                  &values[0, 0, 0] if S else NULL, ks, vs, &ov[0, 0], H, KV, D,
-                                 lo, S, scale, nt, _level)
+                                 lo, S, scale, nt, _level, 0)
     if rc:
         raise MemoryError()
+    return out
+
+
+def attend_one_f16(const float[:, ::1] q, const uint16_t[:, :, :] keys,
+                   const uint16_t[:, :, :] values, float scale, Py_ssize_t lo):
+    """attend_one over a float16 KV cache (keys / values: float16 arrays viewed as uint16): the
+    bits of attend_one over the same values widened to float32."""
+    cdef Py_ssize_t H = q.shape[0], D = q.shape[1], KV = keys.shape[0], S = keys.shape[1]
+    cdef int nt = get_num_threads(), rc = 0
+    if (keys.shape[2] != D or values.shape[0] != KV or values.shape[1] != S
+            or values.shape[2] != D or KV == 0 or H % KV or not 0 <= lo <= S
+            or keys.strides[1] != D * 2 or values.strides[1] != D * 2
+            or keys.strides[2] != 2 or values.strides[2] != 2):
+        raise ValueError("attend_one_f16: shapes of q, keys and values do not match")
+    out = np.empty((1, H * D), np.float32)
+    cdef float[:, ::1] ov = out
+    cdef Py_ssize_t ks = keys.strides[0] // 2, vs = values.strides[0] // 2
+    if H and D:
+        with nogil:
+            rc = coli_attend_one(&q[0, 0], &keys[0, 0, 0] if S else NULL,
+                                 &values[0, 0, 0] if S else NULL, ks, vs, &ov[0, 0], H, KV, D,
+                                 lo, S, scale, nt, _level, 1)
+    if rc:
+        raise MemoryError()
+    return out
+
+
+def f16_to_f32(const uint16_t[::1] h):
+    """float16 values (viewed as uint16) widened to float32 by the kernels' conversion (exact)."""
+    out = np.empty(h.shape[0], np.float32)
+    cdef float[::1] ov = out
+    if h.shape[0]:
+        with nogil:
+            coli_h2f_rows(&h[0], &ov[0], h.shape[0], coli_ops_avx2(_level, 8))
     return out
 
 

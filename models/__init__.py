@@ -44,9 +44,11 @@ def _read_json(path: Path) -> dict | None:
 
 def open_model(path: str | Path, threads: int | None = None, ram_gb: float | None = None,
                cap: int | None = None, policy: str = DEFAULT_POLICY, prefetch: bool = True,
-               o_direct: bool = False, io_threads: int = 4) -> Engine:
+               o_direct: bool = False, io_threads: int = 4, kv_cache: str = "float32") -> Engine:
     """Open a converted container: pick the family from config.json, size the RAM tier
-    (``cap`` experts per layer, or ``ram_gb`` for the slot pool, or automatic), build the engine."""
+    (``cap`` experts per layer, or ``ram_gb`` for the slot pool, or automatic), build the engine.
+    ``kv_cache``: "float32", or the opt-in "float16" (half the KV memory and attention's reads;
+    outputs change slightly)."""
     from core.planner import make_plan
     from core.policies import make_policy
     from core.tiered_store import TieredStore
@@ -56,7 +58,7 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
         validate_config(container.config)
         spec = family_for(container.config).spec(container.config,
                                                    _read_json(container.path / "generation_config.json"))
-        plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap)
+        plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap, kv_cache=kv_cache)
         layers = sorted({l for l, _ in container.experts})
         history = load_model_usage(container, spec)
         try:
@@ -69,7 +71,8 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
         if (container.path / "tokenizer.json").exists():
             from core.tokenizer import ChatTokenizer
             tokenizer = ChatTokenizer.from_dir(container.path)
-        engine = Engine(container, spec, store=store, tokenizer=tokenizer, threads=threads)
+        engine = Engine(container, spec, store=store, tokenizer=tokenizer, threads=threads,
+                        kv_dtype=kv_cache)
         engine.plan = plan
         engine.usage_history = dict(history)
         from core.usage import usage_path

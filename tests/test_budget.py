@@ -84,5 +84,7 @@ def test_automatic_budget_keeps_room_for_the_kv_cache(monkeypatch):
     plan = planner.make_plan(c, spec)
     assert (plan.kv_bytes_per_position, plan.kv_reserved_bytes) == (per_position, per_position * context)
     assert plan.mode == "auto" and plan.cap == 3
+    half = planner.make_plan(c, spec, kv_cache="float16")   # the opt-in float16 cache: half the room
+    assert (half.kv_bytes_per_position, half.kv_reserved_bytes) == (per_position // 2, per_position * context // 2)
     monkeypatch.setattr(planner, "KV_CONTEXT", 0)          # without the KV room: one slot more
     assert planner.make_plan(c, spec).cap > 3

@@ -216,3 +216,42 @@ def test_silu_mul_in_place_has_silus_bits():
     got = kernels.silu_mul(g, u.copy())
     np.testing.assert_array_equal(got, want)
     assert np.signbit(got[0, 0]) == np.signbit(want[0, 0])
+
+
+def test_float16_conversion_is_exact_for_every_half():
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    want = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        got = qm.f16_to_f32(h)
+        np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan], err_msg=variant)
+        assert np.isnan(got[nan]).all()
+
+
+@pytest.mark.parametrize("H,KV,D,S,lo", [(16, 16, 128, 1, 0), (8, 2, 64, 200, 0), (4, 4, 128, 300, 130),
+                                         (6, 3, 40, 70, 5), (4, 4, 128, 600, 0)])
+def test_float16_cache_attention_has_the_bits_of_float32_over_the_same_values(H, KV, D, S, lo):
+    """The opt-in float16 KV cache widens rows in chunks inside the kernel: the bits of the
+    float32 kernel over the widened values, per SIMD variant and thread count; the numpy
+    (prefill) path widens the same way."""
+    rng = np.random.default_rng(S + lo)
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    k = (rng.standard_normal((KV, S, D)) * 3).astype(np.float16)
+    v = rng.standard_normal((KV, S, D)).astype(np.float16)
+    k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        for threads in (1, 2):
+            qm.set_num_threads(threads)
+            got = qm.attend_one_f16(q, k.view(np.uint16), v.view(np.uint16), 0.125, lo)
+            np.testing.assert_array_equal(got, qm.attend_one(q, k32, v32, 0.125, lo),
+                                          err_msg=f"{variant} threads={threads}")
+    pos = np.array([S - 1])
+    window = S - lo if lo else None
+    np.testing.assert_array_equal(kernels.attention(q[None], k, v, np.float32(0.125), pos, window),
+                                  kernels.attention(q[None], k32, v32, np.float32(0.125), pos, window))
+    pq = np.arange(max(0, S - 3), S)
+    qs = rng.standard_normal((len(pq), H, D)).astype(np.float32)
+    np.testing.assert_array_equal(_numpy(kernels.attention, qs, k, v, np.float32(0.125), pq, None),
+                                  _numpy(kernels.attention, qs, k32, v32, np.float32(0.125), pq, None))

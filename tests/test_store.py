@@ -84,3 +84,36 @@ def test_budget_too_small_and_bad_containers(containers, tmp_path):
     (broken / shard).unlink()
     with pytest.raises(ColiError, match=f"shard {shard} is missing"):
         open_model(broken, cap=1)
+
+
+def _decode_logits_own_cache(engine, prompt, n):
+    cache = engine.new_cache()          # the engine's KV precision
+    logits = [engine.forward(prompt, cache)[-1]]
+    for _ in range(n - 1):
+        logits.append(engine.forward([int(np.argmax(logits[-1]))], cache)[-1])
+    return np.stack(logits), cache
+
+
+def test_float16_kv_cache_obeys_the_law_and_stays_close(fixture_root, containers):
+    """The opt-in float16 KV cache: half the KV memory; byte-identical across placements and
+    threads like float32; logits within a small distance of the float32 cache's."""
+    name = oracle_names()[0]
+    ids = np.load(fixture_root / name / "reference.npz")["ids"].tolist()
+    c4 = containers(name, 4)
+    want32, cache32 = _decode_logits_own_cache(open_model(c4), ids[:6], 12)
+    base = open_model(c4, kv_cache="float16")
+    want, cache = _decode_logits_own_cache(base, ids[:6], 12)
+    assert cache.k[0].dtype == np.float16 and cache32.k[0].dtype == np.float32
+    assert cache.k[0].nbytes * 2 == cache32.k[0].nbytes
+    tf = base.logits(ids)
+    for kw in (dict(cap=1), dict(cap=2, threads=2, prefetch=False), dict(cap=2, o_direct=True)):
+        engine = open_model(c4, kv_cache="float16", **kw)
+        got, _ = _decode_logits_own_cache(engine, ids[:6], 12)
+        np.testing.assert_array_equal(got, want, err_msg=str(kw))
+        np.testing.assert_array_equal(engine.logits(ids), tf, err_msg=str(kw))
+        engine.store.close()
+    kernels.set_threads(None)
+    scale = np.abs(want32).max()
+    assert 0 < np.abs(want - want32).max() < 0.05 * scale
+    with pytest.raises(ColiError, match="kv-cache"):
+        open_model(c4, kv_cache="float8")
