@@ -21,6 +21,9 @@
 #include <stdlib.h>
 
 #include "qkern.h"      /* coli_idx, COLI_X86 / COLI_T_AVX2, the level numbers */
+#if COLI_X86
+#include <cpuid.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -270,12 +273,52 @@ COLI_T_AVX2 static void coli_h2f_avx2(const uint16_t *h, float *f, coli_ix n)
     for (; i < n; i++)
         f[i] = coli_h2f(h[i]);
 }
+
+#define COLI_T_F16C __attribute__((target("avx,avx2,fma,f16c")))
+
+/* The F16C instruction converts 8 halves in one operation (the same values; a NaN may come out
+ * quieted). Most AVX2 CPUs have it; cpuid leaf 1, ECX bit 29, checked once. */
+COLI_T_F16C static void coli_h2f_f16c(const uint16_t *h, float *f, coli_ix n)
+{
+    coli_ix i;
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++)
+        f[i] = coli_h2f(h[i]);
+}
+
+static int coli_has_f16c(void)
+{
+    static int known = -1;
+    unsigned int a, b, c, d;
+    if (known < 0)
+        known = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)) != 0;
+    return known;
+}
 #endif
+
+/* The AVX2 integer conversion where the CPU has AVX2 (tests reach it on F16C machines too);
+ * returns 0 where it cannot run. */
+static int coli_h2f_avx2_int(const uint16_t *h, float *f, coli_ix n)
+{
+#if COLI_X86
+    if (coli_simd_supported(COLI_AVX2)) {
+        coli_h2f_avx2(h, f, n);
+        return 1;
+    }
+#endif
+    (void)h; (void)f; (void)n;
+    return 0;
+}
 
 static void coli_h2f_rows(const uint16_t *h, float *f, coli_ix n, int avx2)
 {
     coli_ix i;
 #if COLI_X86
+    if (avx2 && coli_has_f16c()) {
+        coli_h2f_f16c(h, f, n);
+        return;
+    }
     if (avx2) {
         coli_h2f_avx2(h, f, n);
         return;

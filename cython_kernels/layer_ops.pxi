@@ -16,7 +16,10 @@ cdef extern from "layer_ops.h":
     void coli_softmax_topk(const float* logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
                            int norm, float* probs, int64_t* top, float* wts) noexcept nogil
     void coli_h2f_rows(const uint16_t* h, float* f, Py_ssize_t n, int avx2) noexcept nogil
+    float coli_h2f(uint16_t h) noexcept nogil
+
     int coli_ops_avx2(int level, Py_ssize_t D) noexcept nogil
+    int coli_h2f_avx2_int(const uint16_t* h, float* f, Py_ssize_t n) noexcept nogil
     void coli_rank_sum(const float* c, const float* w, Py_ssize_t k, Py_ssize_t H,
                        float* out) noexcept nogil
 
@@ -93,13 +96,26 @@ def attend_one_f16(const float[:, ::1] q, const uint16_t[:, :, :] keys,
     return out
 
 
-def f16_to_f32(const uint16_t[::1] h):
-    """float16 values (viewed as uint16) widened to float32 by the kernels' conversion (exact)."""
-    out = np.empty(h.shape[0], np.float32)
+def f16_to_f32(const uint16_t[::1] h, str path="auto"):
+    """float16 values (viewed as uint16) widened to float32 by the kernels' conversion (exact).
+    path: "auto" (what attention uses: F16C, else AVX2 integer operations, else scalar), or one
+    of "avx2" (the integer one; 0-length result where AVX2 is missing) and "scalar" (for tests)."""
+    cdef Py_ssize_t i, n = h.shape[0]
+    out = np.empty(n, np.float32)
     cdef float[::1] ov = out
-    if h.shape[0]:
+    if path not in ("auto", "avx2", "scalar"):
+        raise ValueError(f"path must be auto, avx2 or scalar, got {path!r}")
+    if n == 0:
+        return out
+    if path == "auto":
         with nogil:
-            coli_h2f_rows(&h[0], &ov[0], h.shape[0], coli_ops_avx2(_level, 8))
+            coli_h2f_rows(&h[0], &ov[0], n, coli_ops_avx2(_level, 8))
+    elif path == "avx2":
+        if not coli_h2f_avx2_int(&h[0], &ov[0], n):
+            return out[:0]
+    else:
+        for i in range(n):
+            ov[i] = coli_h2f(h[i])
     return out
 
 
