@@ -222,7 +222,7 @@ class ColiApp(App):
     def _open_options(self) -> dict:
         s = self.settings
         opts = dict(threads=s.threads, ram_gb=s.ram_gb, cap=None, policy=s.policy, prefetch=s.prefetch,
-                    o_direct=s.o_direct)
+                    o_direct=s.o_direct, kv_cache=s.kv_cache)
         opts.update({k: v for k, v in self.engine_options.items() if v is not None})
         if opts.get("cap") is not None and "ram_gb" not in self.engine_options:
             opts["ram_gb"] = None            # --cap on the command line beats a configured budget
@@ -407,7 +407,7 @@ class ColiApp(App):
             if new.model != old.model:
                 self.model_path = None           # a model chosen here beats --model from the start
             self.notify(f"settings saved to {path}")
-            keys = ("model", "ram_gb", "policy", "prefetch", "threads", "o_direct")
+            keys = ("model",) + settings_mod.ENGINE_KEYS
             if any(getattr(old, k) != getattr(new, k) for k in keys) or self.engine is None:
                 if self.gen is not None:
                     self.notify("the engine reopens after this reply", severity="warning")

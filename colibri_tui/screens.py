@@ -181,6 +181,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
                                               placeholder="all cores"))
                 yield Checkbox("lookahead prefetch", s.prefetch, id="prefetch")
                 yield Checkbox("O_DIRECT reads", s.o_direct, id="o_direct")
+                yield Checkbox("float16 KV cache (half the RAM)",
+                               s.kv_cache == "float16", id="kv_cache")
                 yield Label("default sampling for new chats", classes="note")
                 yield from _sampling_fields(s.sampling)
                 if s.overridden:
@@ -203,6 +205,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                            prefetch=self.query_one("#prefetch", Checkbox).value,
                            threads=int(v("threads")) if v("threads") else None,
                            o_direct=self.query_one("#o_direct", Checkbox).value,
+                           kv_cache="float16" if self.query_one("#kv_cache", Checkbox).value else "float32",
                            sampling=_read_sampling(self), theme=self.settings.theme,
                            overridden=dict(self.settings.overridden))
             out.validate()

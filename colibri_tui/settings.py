@@ -68,6 +68,11 @@ class Sampling:
         return asdict(self)
 
 
+KV_CACHES = ("float32", "float16")
+# the [engine] keys: a change to any of them reopens the model
+ENGINE_KEYS = ("ram_gb", "policy", "prefetch", "threads", "o_direct", "kv_cache")
+
+
 @dataclass
 class Settings:
     model: str = ""                 # container directory; "" = the embedded demo model
@@ -76,6 +81,7 @@ class Settings:
     prefetch: bool = True
     threads: int | None = None      # None = all cores
     o_direct: bool = False
+    kv_cache: str = "float32"       # KV cache precision; "float16" is opt-in (outputs change slightly)
     sampling: Sampling = field(default_factory=Sampling)
     theme: str = ""                 # a Textual theme name; "" = the default
     # where each value came from when an environment variable overrode it (not saved)
@@ -88,6 +94,8 @@ class Settings:
             raise ValueError("RAM budget must be > 0 GB")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"KV cache must be one of {', '.join(KV_CACHES)}")
         self.sampling.validate()
 
 
@@ -120,6 +128,8 @@ def load(path: Path | None = None, env: dict | None = None) -> Settings:
     s.prefetch = bool(eng.get("prefetch", True))
     s.threads = _num(eng.get("threads"), int)
     s.o_direct = bool(eng.get("o_direct", False))
+    if eng.get("kv_cache") in KV_CACHES:
+        s.kv_cache = eng["kv_cache"]
     try:
         s.sampling = Sampling.from_dict(data.get("sampling"))
     except ValueError:
@@ -151,7 +161,7 @@ def dumps(s: Settings) -> str:
     if s.theme:
         lines.append(f"theme = {_toml_value(s.theme)}")
     lines += ["", "[engine]"]
-    for k in ("ram_gb", "policy", "prefetch", "threads", "o_direct"):
+    for k in ENGINE_KEYS:
         v = getattr(s, k)
         if v is not None:
             lines.append(f"{k} = {_toml_value(v)}")

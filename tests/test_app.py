@@ -254,12 +254,20 @@ def test_settings_roundtrip_and_env_overrides(dirs, monkeypatch):
 
     s = S.load()
     assert s.policy == "lfru" and s.ram_gb is None and s.prefetch
-    s.ram_gb, s.policy, s.o_direct, s.threads = 3.5, "lfru", True, 2
+    assert s.kv_cache == "float32"
+    s.ram_gb, s.policy, s.o_direct, s.threads, s.kv_cache = 3.5, "lfru", True, 2, "float16"
     s.sampling.temperature = 0.2
     path = S.save(s)
     assert path == dirs / "config" / "config.toml"
     t = S.load()
-    assert (t.ram_gb, t.policy, t.o_direct, t.threads, t.sampling.temperature) == (3.5, "lfru", True, 2, 0.2)
+    assert (t.ram_gb, t.policy, t.o_direct, t.threads, t.kv_cache, t.sampling.temperature) == \
+        (3.5, "lfru", True, 2, "float16", 0.2)
+    from colibri_tui.app import ColiApp
+    assert ColiApp(settings=t)._open_options()["kv_cache"] == "float16"        # reaches open_model
+    assert ColiApp(settings=t, engine_options={"kv_cache": "float32"})._open_options()["kv_cache"] == "float32"
+    t.kv_cache = "float8"
+    with pytest.raises(ValueError, match="KV cache"):
+        t.validate()
     monkeypatch.setenv("COLI_RAM_GB", "9")
     monkeypatch.setenv("COLI_MODEL", "/some/model")
     u = S.load()
