@@ -2,6 +2,7 @@
 
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
                                 [--prefill 512] [--no-torch] [--layers N]
+                                [--kv-cache float32|float16] [--int8-activations]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
 DIR, default /work/bench_models/olmoe-geom, and kept), opens it with every expert allowed in RAM
@@ -10,7 +11,9 @@ each run in a fresh process, and prints decode tok/s next to the bandwidth bound
 
     bound = numpy read bandwidth (same thread count) / bytes touched per decoded token,
     bytes touched = layers x top-k x expert bytes + dense bytes (attention, norms, router,
-    lm_head; the embedding table counts one row).
+    lm_head; the embedding table counts one row) + the KV cache attention reads at the timed
+    steps' mean context (--prompt-len + --tokens / 2 positions: negligible at the default 8-token
+    prompt, most of the bytes at a few thousand; --kv-cache float16 for the opt-in cache).
 
 Each run (a fresh process per thread count) first decodes the same prompt once to load the
 experts it routes to into RAM, then decodes again, timed: the figures are that second run's
@@ -84,7 +87,6 @@ def sgemm_gflops(T: int, min_time: float = 1.0) -> float:
 def child(a) -> None:
     import numpy as np
 
-    from core.engine import KVCache
     from core.events import Stats
     from core.sampling import SamplingParams
     from models import open_model
@@ -93,7 +95,8 @@ def child(a) -> None:
     if a.int8_activations:
         from core import kernels
         kernels.set_int8_activations(True)
-    engine = open_model(a.dir, cap=geo["experts_per_layer"], prefetch=False, threads=a.threads)
+    engine = open_model(a.dir, cap=geo["experts_per_layer"], prefetch=False, threads=a.threads,
+                        kv_cache=a.kv_cache)
     prompt = [int(v) for v in np.random.default_rng(a.seed).integers(1, geo["vocab_size"], a.prompt_len)]
     out = {}
     for name in ("warm-up", "timed"):
@@ -123,7 +126,7 @@ def child(a) -> None:
         ids = [int(v) for v in np.random.default_rng(a.seed + 1).integers(1, geo["vocab_size"], a.prefill)]
         engine.reset_counters()
         t0 = time.perf_counter()
-        engine.forward(ids, KVCache(engine.spec))
+        engine.forward(ids, engine.new_cache())
         dt = time.perf_counter() - t0
         res["prefill"] = {"tokens": a.prefill, "s": dt, "tok_s": a.prefill / dt,
                           **{k: engine.counters[k] for k in keep}}
@@ -146,6 +149,7 @@ def run_child(a, t: int, ref: Path | None = None) -> dict:
         cmd += ["--ref", str(ref)]
     if a.int8_activations:
         cmd.append("--int8-activations")
+    cmd += ["--kv-cache", a.kv_cache]
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t))
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env))
 
@@ -381,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="benchmark only the first N layers")
     ap.add_argument("--int8-activations", action="store_true",
                     help="our engine with the opt-in int8-activation kernels (llama.cpp's Q4_0 x Q8_0 kind)")
+    ap.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",
+                    help="our engine's KV cache precision (float16: the opt-in half-precision cache)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ref", type=Path, default=None, help=argparse.SUPPRESS)
@@ -409,14 +415,22 @@ def main(argv=None) -> int:
 def bench(a, path: Path, tmp: Path) -> int:
     geo = expert_geometry(path)
     emb = embed_bytes(path)
-    touched = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"] - emb \
+    weights = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"] - emb \
         + emb // max(1, geo["vocab_size"])
+    cfg = json.loads((path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    context = a.prompt_len + a.tokens / 2
+    kv = int(cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim
+             * (2 if a.kv_cache == "float16" else 4) * context)
+    touched = weights + kv
     layer_params, head_params = active_params(path)
     print("machine:")
     print(format_summary(machine_summary(path)))
     print(f"model: {geo['layers']} layers x {geo['experts_per_layer']} experts of "
           f"{geo['expert_bytes'] / 1e6:.2f} MB (top-{geo['top_k']}), dense {geo['dense_bytes'] / 1e9:.2f} GB "
-          f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched / 1e9:.3f} GB")
+          f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched / 1e9:.3f} GB "
+          f"= weights {weights / 1e9:.3f} + {a.kv_cache} KV cache {kv / 1e9:.3f} (~{context:.0f} positions)")
     if a.layers:
         print(f"(--layers {a.layers}: the first {a.layers} layers only)")
     threads = [int(v) for v in a.threads.split(",")]
