@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # noqa: E402
 from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry  # noqa: E402
+from core.arch import KV_CACHES  # noqa: E402
 
 
 SGEMM_SHAPE = (2048, 1024)      # (I, O) of the sgemm next to prefill: x [T, I] @ W[O, I].T
@@ -385,7 +386,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="benchmark only the first N layers")
     ap.add_argument("--int8-activations", action="store_true",
                     help="our engine with the opt-in int8-activation kernels (llama.cpp's Q4_0 x Q8_0 kind)")
-    ap.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",
+    ap.add_argument("--kv-cache", choices=KV_CACHES, default="float32",
                     help="our engine's KV cache precision (float16: the opt-in half-precision cache)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
@@ -417,12 +418,11 @@ def bench(a, path: Path, tmp: Path) -> int:
     emb = embed_bytes(path)
     weights = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"] - emb \
         + emb // max(1, geo["vocab_size"])
-    cfg = json.loads((path / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    from core.planner import kv_bytes_per_position
+    from models import family_for
+    config = json.loads((path / "config.json").read_text())
     context = a.prompt_len + a.tokens / 2
-    kv = int(cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim
-             * (2 if a.kv_cache == "float16" else 4) * context)
+    kv = int(kv_bytes_per_position(family_for(config).spec(config), a.kv_cache) * context)
     touched = weights + kv
     layer_params, head_params = active_params(path)
     print("machine:")

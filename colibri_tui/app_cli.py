@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.arch import KV_CACHES
 from core.errors import ColiError
 
 
@@ -22,7 +23,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="RAM cache policy: lru, lfru or pinned (default: the config)")
     p.add_argument("--no-prefetch", action="store_true", default=None, help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", default=None, help="read experts with O_DIRECT")
-    p.add_argument("--kv-cache", choices=("float32", "float16"), default=None,
+    p.add_argument("--kv-cache", choices=KV_CACHES, default=None,
                    help="KV cache precision (float16: half the memory, outputs change slightly)")
 
 

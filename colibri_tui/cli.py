@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from core.arch import KV_CACHES
 from core.errors import ColiError
 
 EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 130
@@ -42,7 +43,7 @@ def _add_model(p, store=True):
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--int8-activations", action="store_true",
                    help="faster int4 products with x rounded to int8 (~0.5%% rms error; off by default)")
-    p.add_argument("--kv-cache", choices=("float32", "float16"), default="float32",
+    p.add_argument("--kv-cache", choices=KV_CACHES, default="float32",
                    help="KV cache precision: float16 halves its memory and attention's reads at long "
                         "contexts, and changes outputs slightly (default: float32)")
     if not store:

@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from core.arch import KV_CACHES
 from core.policies import POLICY_NAMES as POLICIES
 
 APP_NAME = "colibri"
@@ -68,7 +69,6 @@ class Sampling:
         return asdict(self)
 
 
-KV_CACHES = ("float32", "float16")
 # the [engine] keys: a change to any of them reopens the model
 ENGINE_KEYS = ("ram_gb", "policy", "prefetch", "threads", "o_direct", "kv_cache")
 

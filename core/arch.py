@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from .errors import ColiError
 
 
+# KV cache precisions the engine keeps (float16 is opt-in: outputs change slightly). Here, not in
+# core.engine, so the command line and the app settings can name them without importing numpy.
+KV_CACHES = ("float32", "float16")
+
+
 @dataclass
 class ArchSpec:
     vocab_size: int

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import psutil
 
-from .arch import ArchSpec
+from .arch import KV_CACHES, ArchSpec
 from .container import Container
 from .errors import ColiError
 from .safetensors_io import DTYPES
@@ -63,12 +64,10 @@ def kv_reserved_positions(spec: ArchSpec) -> int:
     return min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
 
 
-KV_DTYPES = {"float32": 4, "float16": 2}      # --kv-cache: bytes per key / value element
-
-
 def kv_bytes_per_position(spec: ArchSpec, kv_cache: str = "float32") -> int:
-    """Bytes of KV cache one position takes (keys and values of every layer)."""
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * KV_DTYPES[kv_cache]
+    """Bytes of KV cache one position takes (keys and values of every layer); kv_cache is one
+    of core.arch.KV_CACHES."""
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * np.dtype(kv_cache).itemsize
 
 
 def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None, cap: int | None = None,
@@ -82,8 +81,8 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     slot = slot_bytes(container)
     dense = dense_ram_bytes(container)
     available = psutil.virtual_memory().available
-    if kv_cache not in KV_DTYPES:
-        raise ColiError(f"--kv-cache must be one of {', '.join(KV_DTYPES)}, got {kv_cache!r}")
+    if kv_cache not in KV_CACHES:
+        raise ColiError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     kv_position = kv_bytes_per_position(spec, kv_cache)
     kv_reserved = kv_position * kv_reserved_positions(spec)
     if cap is not None:

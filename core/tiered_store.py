@@ -207,14 +207,17 @@ class TieredStore(ExpertStore):
         # every expert resident and loaded (the common decode step): _serve's bookkeeping for
         # one batch of hits, without its generator (~60 us per layer in a decode step)
         self.policy.step(layer)
-        st = self._stats
-        st["hits"] += len(ids)
+        self._stats["hits"] += len(ids)
         for e, s in zip(ids, slots):
-            if s.prefetched:
-                st["prefetch_used"] += 1
-                s.prefetched = False
+            self._claim_prefetched(s)
             self.policy.touch(layer, e)
         return iter(([(e, s.ffn) for e, s in zip(ids, slots)],))
+
+    def _claim_prefetched(self, slot: _Slot) -> None:
+        """A request found this slot loaded by a prefetch: count it used, once."""
+        if slot.prefetched:
+            self._stats["prefetch_used"] += 1
+            slot.prefetched = False
 
     def _serve(self, layer, expert_ids, together: bool):
         L = self.layers[layer]
@@ -225,9 +228,8 @@ class TieredStore(ExpertStore):
         st["misses"] += len(waiting)
         st["hits"] += len(ids) - len(waiting)
         for e in ids:
-            if e in L.where and L.slots[L.where[e]].prefetched:
-                st["prefetch_used"] += 1
-                L.slots[L.where[e]].prefetched = False
+            if e in L.where:
+                self._claim_prefetched(L.slots[L.where[e]])
         protected = set(ids)          # experts of this request not yet consumed: never evicted
 
         def launch():
