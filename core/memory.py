@@ -1,4 +1,5 @@
-"""Process memory figures, portable across Linux, macOS and Windows."""
+"""Process memory: figures, and anonymous buffers (expert slots, the KV cache). Portable across
+Linux, macOS and Windows."""
 from __future__ import annotations
 
 import mmap
@@ -37,4 +38,14 @@ def lazy_array(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     huge pages on arrays of 4 MiB and more: a head-major KV cache touching one position per head
     then faulted -- and zeroed -- 2 MiB per head at once.)"""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    # Shared on purpose: where THP is "always", private memory would get those 2 MiB pages too.
     return np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+def anonymous_buffer(nbytes: int) -> memoryview:
+    """Zero-filled, page-aligned private memory (the expert store's slots; O_DIRECT reads need
+    the alignment). Private, not Python's default MAP_SHARED: shared anonymous memory is shmem.
+    (Transparent huge pages were tried for the weights: no difference on the benchmark VM,
+    paired in-process A/B 0.998 / 1.026 on 2 / 1 threads, so no advice is given.)"""
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    return memoryview(mmap.mmap(-1, max(nbytes, 1), **private))[:nbytes]

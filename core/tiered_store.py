@@ -19,7 +19,6 @@ Weights are parsed in place (numpy views over the slot), so a hit costs no copy.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import sys
 import threading
@@ -29,15 +28,11 @@ from dataclasses import dataclass, field
 
 from .container import Container
 from .errors import ColiError
+from .memory import anonymous_buffer
 from .planner import ALIGN, slot_bytes
 from .policies import LRU, Policy
 from .store import ExpertFFN, ExpertStore
 
-
-
-def _aligned_buffer(nbytes: int) -> memoryview:
-    """Page-aligned, zero-filled memory (anonymous mmap), as O_DIRECT requires."""
-    return memoryview(mmap.mmap(-1, max(nbytes, ALIGN)))
 
 
 @dataclass
@@ -68,8 +63,12 @@ class TieredStore(ExpertStore):
         self._layers_of = sorted({layer for layer, _ in container.experts})
         self.num_experts = 1 + max(e for _, e in container.experts)
         self.slot_bytes = slot_bytes(container)        # largest expert + room to align reads
-        self.layers = {l: _Layer([_Slot(_aligned_buffer(self.slot_bytes)) for _ in range(cap)])
-                       for l in self._layers_of}
+        # Every slot in one page-aligned arena: a big model's tens of thousands of slots are not
+        # as many mappings (Linux allows 65,530 per process by default).
+        arena = anonymous_buffer(self.slot_bytes * cap * len(self._layers_of))
+        slots = (_Slot(arena[i * self.slot_bytes: (i + 1) * self.slot_bytes])
+                 for i in range(cap * len(self._layers_of)))
+        self.layers = {l: _Layer([next(slots) for _ in range(cap)]) for l in self._layers_of}
         self.o_direct = False
         self._fds: dict[str, int] = {}
         self._open_files(o_direct)

@@ -117,3 +117,22 @@ def test_float16_kv_cache_obeys_the_law_and_stays_close(fixture_root, containers
     assert 0 < np.abs(want - want32).max() < 0.05 * scale
     with pytest.raises(ColiError, match="kv-cache"):
         open_model(c4, kv_cache="float8")
+
+
+def test_anonymous_buffers_are_aligned_and_zeroed():
+    from core.memory import anonymous_buffer
+    for n in (1, 10_000, 5 << 20):
+        a = np.frombuffer(anonymous_buffer(n), np.uint8)
+        assert a.size == n and a.ctypes.data % 4096 == 0 and not a.any()
+        a[:] = 7                                         # writable
+
+
+def test_expert_slots_share_one_arena(containers):
+    engine = open_model(containers(oracle_names()[0], 4), cap=3)
+    bufs = [s.buf for layer in engine.store.layers.values() for s in layer.slots]
+    assert len({id(b.obj) for b in bufs}) == 1                 # one mapping, not one per slot
+    addresses = sorted(np.frombuffer(s.buf, np.uint8).ctypes.data
+                       for layer in engine.store.layers.values() for s in layer.slots)
+    step = engine.store.slot_bytes
+    assert step % 4096 == 0 and addresses[0] % 4096 == 0       # O_DIRECT's alignment
+    assert np.all(np.diff(addresses) == step)                 # contiguous, none overlapping
