@@ -67,6 +67,13 @@ class KVCache:
         """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
         [kv_heads, length+T, D] over [0, length+T)."""
         n = self.length + k.shape[0]
+        self.ensure(layer, n)
+        self.k[layer][:, self.length: n] = k.transpose(1, 0, 2)
+        self.v[layer][:, self.length: n] = v.transpose(1, 0, 2)
+        return self.k[layer][:, :n], self.v[layer][:, :n]
+
+    def ensure(self, layer: int, n: int) -> None:
+        """Room for n positions in a layer's arrays (growing them, positions kept)."""
         if self.k[layer].shape[1] < n:
             cap = max(n, 2 * self.k[layer].shape[1], self.reserve)
             for store in (self.k, self.v):
@@ -74,9 +81,6 @@ class KVCache:
                 grown = lazy_array((old.shape[0], cap, old.shape[2]), self.dtype)
                 grown[:, : self.length] = old[:, : self.length]
                 store[layer] = grown
-        self.k[layer][:, self.length: n] = k.transpose(1, 0, 2)
-        self.v[layer][:, self.length: n] = v.transpose(1, 0, 2)
-        return self.k[layer][:, :n], self.v[layer][:, :n]
 
 
 class _Layer:
@@ -102,6 +106,11 @@ class _Layer:
         else:
             self.mlp = ExpertFFN(*(c.load(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")))
         self.window = spec.sliding_windows[i] if spec.sliding_windows else None
+        # decode's attention block in one compiled call (None: the step-by-step path)
+        self.attention_block = kernels.attention_block(
+            [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
+            self.input_norm, spec.qk_norm, self.q_norm, self.k_norm, spec.rms_norm_eps,
+            spec.clip_qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim)
 
 
 def _biased(y: np.ndarray, bias) -> np.ndarray:
@@ -147,6 +156,7 @@ class Engine:
         self.usage_file = None       # where save_usage() writes the merged history (.coli_usage)
         self.routed: dict[int, list[int]] = {}     # layer -> experts of the latest step (live view)
         self._kv_spare: tuple[list, list] | None = None    # a finished cache's arrays (new_cache)
+        self.fused_attention = True      # False: the step-by-step attention (benchmarks, tests)
         self.reset_counters()
 
     def new_cache(self) -> KVCache:
@@ -279,9 +289,17 @@ class Engine:
         pos = np.arange(cache.length, cache.length + len(ids))
         cos, sin = self.rope.cos_sin(pos)
         c = self.counters
+        # one decode position over a float32 cache: each layer's attention is one compiled call
+        block = (len(ids) == 1 and cache.dtype == np.float32 and not kernels.int8_activations()
+                 and self.fused_attention)
         for i, L in enumerate(self.layers):
             t0 = time.perf_counter()
-            x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
+            if block and L.attention_block is not None:
+                cache.ensure(i, cache.length + 1)
+                lo = max(0, cache.length - L.window + 1) if L.window is not None else 0
+                x = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length, lo, self.scale)
+            else:
+                x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
             t1 = time.perf_counter()
             self._predict(i, x)
             h = rms_norm(x, L.post_norm, s.rms_norm_eps)

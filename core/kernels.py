@@ -234,6 +234,29 @@ def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> Non
     out[at] = swiglu_many(x, ffns, [(0, 1)] * len(ffns))
 
 
+def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str, q_norm, k_norm,
+                    eps: float, clip, heads: int, kv_heads: int, head_dim: int):
+    """A layer's attention block for one decode position as one compiled call
+    (cython_kernels/attention_block.h), or None where it does not apply: no extension, or q, k,
+    v, o not all int4 with one group size. Called as block(x, cos, sin, keys, values, pos, lo,
+    scale) -> x + the block's output, with the same bits as rms_norm, matmul_many, the q/k
+    norms, rope, the KV append, attention and matmul called one by one. The opt-in int8
+    activations are not wired into it: callers check int8_activations() and fall back."""
+    if _compiled is None or not all(w.scheme == "int4" and w.group_size == proj[0].group_size
+                                    for w in proj):
+        return None
+    try:
+        return _compiled.AttentionBlock([(w.data, w.scales) for w in proj], proj[0].group_size,
+                                        biases, in_norm, qk_norm, q_norm, k_norm, eps, clip, heads,
+                                        kv_heads, head_dim)
+    except ValueError:      # shapes the block does not take: the step-by-step path reports them
+        return None
+
+
+def int8_activations() -> bool:
+    return _compiled is not None and _compiled.int8_activations()
+
+
 def rank_sum(c: np.ndarray, w: np.ndarray) -> np.ndarray:
     """[1, H] = c[0] w[0] + c[1] w[1] + ... in rank order (c [k, H], w [k]): the decode MoE block's
     output, one compiled call instead of two numpy passes (same bits)."""

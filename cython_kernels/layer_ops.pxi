@@ -163,3 +163,124 @@ def rank_sum(const float[:, ::1] c, const float[::1] w):
         with nogil:
             coli_rank_sum(&c[0, 0], &w[0], k, H, &ov[0, 0])
     return out
+
+
+cdef extern from "attention_block.h":
+    int COLI_QK_NONE, COLI_QK_FULL, COLI_QK_PER_HEAD
+    ctypedef struct coli_attn_w:
+        const uint8_t* w[4]
+        const float* s[4]
+        const float* bias[4]
+        const float* in_norm
+        const float* q_norm
+        const float* k_norm
+        int qk_norm
+        float eps
+        float clip
+        Py_ssize_t gs, hidden, H, KV, D
+    size_t coli_attention_block_floats(const coli_attn_w* W, Py_ssize_t S) noexcept nogil
+    void coli_attention_block(const coli_attn_w* W, const float* x, const float* cs,
+                              const float* sn, float* K, float* V, Py_ssize_t ks, Py_ssize_t vs,
+                              Py_ssize_t pos, Py_ssize_t lo, float scale, float* out, int nt,
+                              int level, float* work) noexcept nogil
+
+
+cdef const float* _vec_ptr(object a, Py_ssize_t n, str name) except? NULL:
+    """Pointer to a C-contiguous float32 vector of n elements (None: NULL)."""
+    if a is None:
+        return NULL
+    cdef const float[::1] v = a
+    if v.shape[0] != n:
+        raise ValueError(f"attention block: {name} has {v.shape[0]} elements, expected {n}")
+    return &v[0]
+
+
+cdef class AttentionBlock:
+    """A layer's attention block for one decode position as one compiled call
+    (attention_block.h): x [1, hidden] -> x + o(attention(...)), writing this position's key
+    and value into the layer's float32 cache. The same bits as the separate calls (rms_norm,
+    q4_matmul_many, the biases / q-k norms / clip, rope_, attend_one, q4_matmul, the residual
+    add). Built once per layer; each argument array is kept alive here."""
+    cdef coli_attn_w w
+    cdef object _keep
+
+    def __init__(self, proj, Py_ssize_t group_size, biases, in_norm, str qk_norm, q_norm, k_norm,
+                 float eps, clip, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim):
+        """proj: (data, scales) of the int4 q, k, v, o projections; biases: 4 vectors or None;
+        qk_norm: "none", "full" or "per_head"; clip: a float or None."""
+        cdef Py_ssize_t hidden, m, HD = heads * head_dim, KD = kv_heads * head_dim
+        cdef const unsigned char[:, ::1] wv
+        cdef const float[:, ::1] sv
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads or head_dim <= 0 or head_dim % 2:
+            raise ValueError("attention block: bad head counts or head size")
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"attention block: group_size must be even and >= 2, got {group_size}")
+        if len(proj) != 4 or len(biases) != 4:
+            raise ValueError("attention block: expected q, k, v and o")
+        hidden = np.asarray(in_norm).shape[0]
+        rows = (HD, KD, KD, hidden)
+        cols = (hidden, hidden, hidden, HD)
+        self._keep = (proj, biases, in_norm, q_norm, k_norm)
+        for m in range(4):
+            wv = proj[m][0]
+            sv = proj[m][1]
+            if (wv.shape[0] != rows[m] or wv.shape[1] != (cols[m] + 1) // 2
+                    or sv.shape[0] != rows[m]
+                    or sv.shape[1] != (cols[m] + group_size - 1) // group_size):
+                raise ValueError(f"attention block: projection {'qkvo'[m]} has the wrong shape")
+            self.w.w[m] = <const uint8_t*>&wv[0, 0]
+            self.w.s[m] = &sv[0, 0]
+            self.w.bias[m] = _vec_ptr(biases[m], rows[m], f"bias {'qkvo'[m]}")
+        self.w.in_norm = _vec_ptr(in_norm, hidden, "input norm")
+        if qk_norm == "none":
+            self.w.qk_norm = COLI_QK_NONE
+            self.w.q_norm = self.w.k_norm = NULL
+        elif qk_norm == "full":
+            self.w.qk_norm = COLI_QK_FULL
+            self.w.q_norm = _vec_ptr(q_norm, HD, "q norm")
+            self.w.k_norm = _vec_ptr(k_norm, KD, "k norm")
+        elif qk_norm == "per_head":
+            self.w.qk_norm = COLI_QK_PER_HEAD
+            self.w.q_norm = _vec_ptr(q_norm, head_dim, "q norm")
+            self.w.k_norm = _vec_ptr(k_norm, head_dim, "k norm")
+        else:
+            raise ValueError(f"attention block: unknown qk_norm {qk_norm!r}")
+        if self.w.qk_norm != COLI_QK_NONE and (self.w.q_norm == NULL or self.w.k_norm == NULL):
+            raise ValueError("attention block: q / k norm weights missing")
+        self.w.eps = eps
+        self.w.clip = -1.0 if clip is None else float(clip)
+        if clip is not None and not clip >= 0:
+            raise ValueError(f"attention block: clip must be >= 0, got {clip}")
+        self.w.gs = group_size
+        self.w.hidden = hidden
+        self.w.H = heads
+        self.w.KV = kv_heads
+        self.w.D = head_dim
+
+    def __call__(self, const float[:, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
+                 float[:, :, ::1] keys, float[:, :, ::1] values, Py_ssize_t pos, Py_ssize_t lo,
+                 float scale):
+        """x [1, hidden]; cos / sin [1, head_dim] (the rotary angles of pos); keys / values: the
+        layer's cache [kv_heads, capacity, head_dim] with capacity > pos. Attends to positions
+        lo..pos. Returns x + the block's output, [1, hidden]."""
+        cdef Py_ssize_t D = self.w.D
+        cdef int nt = get_num_threads()
+        if x.shape[0] != 1 or x.shape[1] != self.w.hidden:
+            raise ValueError(f"attention block: x must be [1, {self.w.hidden}]")
+        if cos.shape[0] != 1 or sin.shape[0] != 1 or cos.shape[1] != D or sin.shape[1] != D:
+            raise ValueError(f"attention block: cos / sin must be [1, {D}]")
+        if (keys.shape[0] != self.w.KV or keys.shape[2] != D or values.shape[0] != self.w.KV
+                or values.shape[1] != keys.shape[1] or values.shape[2] != D
+                or not 0 <= pos < keys.shape[1] or not 0 <= lo <= pos):
+            raise ValueError("attention block: the cache does not match (or pos is outside it)")
+        out = np.empty((1, self.w.hidden), np.float32)
+        cdef float[:, ::1] ov = out
+        cdef float* work = <float*>_amalloc(coli_attention_block_floats(&self.w, pos + 1) * sizeof(float))
+        if work == NULL:
+            raise MemoryError()
+        with nogil:
+            coli_attention_block(&self.w, &x[0, 0], &cos[0, 0], &sin[0, 0], &keys[0, 0, 0],
+                                 &values[0, 0, 0], keys.shape[1] * D, values.shape[1] * D, pos,
+                                 lo, scale, &ov[0, 0], nt, _level, work)
+        _afree(work)
+        return out

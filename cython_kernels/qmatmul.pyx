@@ -51,6 +51,7 @@ cdef extern from "qkern.h":
     int coli_simd_best() noexcept nogil
     int coli_q4_cb(int level, coli_idx gs) noexcept nogil
     coli_idx coli_q4_gstride(coli_idx gs) noexcept nogil
+    coli_idx coli_decode_rows(coli_idx rows, int nt) noexcept nogil
     int coli_q4_level(int level, coli_idx gs) noexcept nogil
     void coli_q4_prep(int cb, const float* x, coli_idx T, coli_idx cols, coli_idx gs,
                       coli_idx ng, float* xp, float* ginit) noexcept nogil
@@ -156,19 +157,6 @@ cdef int _threads_for(Py_ssize_t rows):
     return nt if nt > 0 else 1
 
 
-# Output rows per parallel block in decode (int4 paths): decode pairs row r with r + rb / 2 (two
-# prefetch streams), and longer streams read faster -- 256 rows against 64 took the 16 layers'
-# expert products of the OLMoE geometry from 26.5 to 22 ms on 2 threads (43 -> 40 on 1). Only
-# where that still leaves every thread at least 4 blocks; else 64 rows.
-cdef enum:
-    DECODE_ROWS = 256
-    DECODE_ROWS_MIN = 64
-
-
-cdef inline Py_ssize_t _decode_rows(Py_ssize_t rows, int nt) noexcept nogil:
-    return DECODE_ROWS if rows >= 4 * DECODE_ROWS * nt else DECODE_ROWS_MIN
-
-
 cdef inline Py_ssize_t _up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
     return (n + m - 1) // m * m
 
@@ -222,14 +210,14 @@ cdef int _q4_run(const float* x, Py_ssize_t Tx, Py_ssize_t cols, Py_ssize_t gs, 
         tmax = max(tmax, Ts[m])
     nt = _threads_for(rows)
     if _int8_act and coli_q4i8_ok(_level, gs):
-        return _q4i8_run(x, Tx, cols, gs, nmat, ws, ss, ys, Os, t0s, Ts, nt, _decode_rows(rows, nt))
+        return _q4i8_run(x, Tx, cols, gs, nmat, ws, ss, ys, Os, t0s, Ts, nt, coli_decode_rows(rows, nt))
     cdef Py_ssize_t* bstart = <Py_ssize_t*>malloc(<size_t>(2 * nmat + 1) * sizeof(Py_ssize_t))
     if bstart == NULL:
         raise MemoryError()
     cdef Py_ssize_t* rb = bstart + nmat
     # rows per block: prefill keeps a block of unpacked rows (<= ~256 KiB) in L2 while the token
-    # blocks stream over it; decode: see DECODE_ROWS
-    rbd = _decode_rows(rows, nt)
+    # blocks stream over it; decode: see coli_decode_rows (qkern.h)
+    rbd = coli_decode_rows(rows, nt)
     for m in range(nmat):
         rb[m] = rbd if Ts[m] == 1 else rbp
         bstart[m] = nblk

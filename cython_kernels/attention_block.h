@@ -1,0 +1,168 @@
+/* One decode position's attention block of one layer, in one call:
+ *   out = x + o(attend(rope(norm(q, k)), cache) ...) with q, k, v = proj(rms_norm(x)).
+ *
+ * Why: as separate calls a layer ran ~15 numpy / Python operations between its four matrix
+ * products (biases, q/k norms, reshapes, two rotary calls, the KV append's strided copies,
+ * attention's and the products' argument checks and output arrays), and the second OpenMP thread
+ * went to sleep in those gaps, so the next product started with one thread while the other woke
+ * (benchmarks/README.md, sessions 5-6). Here q/k/v and o run in one parallel region with the
+ * small operations in between on one thread (`omp single`), and nothing returns to Python.
+ *
+ * Same bits as the separate calls: every piece is the function those calls run (coli_q4_rows per
+ * output row, coli_rms_norm, coli_rope, coli_attend_head), in the same order, and float32 adds
+ * for the biases and the residual (numpy's). Int4 projections with one group size and a float32
+ * cache only; callers fall back to the separate calls otherwise.
+ */
+#ifndef COLI_ATTENTION_BLOCK_H
+#define COLI_ATTENTION_BLOCK_H
+
+#include <string.h>
+
+#include "layer_ops.h"
+
+enum { COLI_QK_NONE = 0, COLI_QK_FULL = 1, COLI_QK_PER_HEAD = 2 };
+
+/* A layer's attention weights (q, k, v, o in that order). */
+typedef struct {
+    const uint8_t *w[4];        /* packed int4 rows */
+    const float *s[4];          /* per-group scales */
+    const float *bias[4];       /* NULL: no bias */
+    const float *in_norm;       /* [hidden] */
+    const float *q_norm, *k_norm;   /* [H * D] / [KV * D] (full) or [D] (per head) */
+    int qk_norm;                /* COLI_QK_* */
+    float eps;
+    float clip;                 /* < 0: no clipping */
+    coli_ix gs, hidden, H, KV, D;
+} coli_attn_w;
+
+static coli_ix coli_up16(coli_ix n)
+{
+    return (n + 15) / 16 * 16;
+}
+
+/* Floats of scratch coli_attention_block needs at S cache positions (64-byte aligned pieces). */
+static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S)
+{
+    coli_ix gs = W->gs, HD = W->H * W->D, gst = coli_q4_gstride(gs);
+    coli_ix ng1 = (W->hidden + gs - 1) / gs, ng2 = (HD + gs - 1) / gs;
+    return (size_t)(coli_up16(W->hidden) * 2 + coli_up16(ng1 * gs) + coli_up16(ng1 * gst)
+                    + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD) + coli_up16(ng2 * gs)
+                    + coli_up16(ng2 * gst) + coli_up16(W->H * S));
+}
+
+/* x [hidden] -> out [hidden]. K / V: the layer's cache, kv head g's positions at K + g * ks (rows
+ * of D floats); this position's key and value are written at row pos, and attention reads rows
+ * lo..pos. cs / sn: the rotary cos / sin of pos [D]. work: coli_attention_block_floats(W, pos + 1)
+ * floats, 64-byte aligned. level: qkern.h's SIMD level. */
+static void coli_attention_block(const coli_attn_w *W, const float *x, const float *cs,
+                                 const float *sn, float *K, float *V, coli_ix ks, coli_ix vs,
+                                 coli_ix pos, coli_ix lo, float scale, float *out, int nt,
+                                 int level, float *work)
+{
+    const coli_ix H = W->H, KV = W->KV, D = W->D, HD = H * D, gs = W->gs, hid = W->hidden;
+    const coli_ix gst = coli_q4_gstride(gs), S = pos + 1, n = S - lo, G = H / KV;
+    const coli_ix ng1 = (hid + gs - 1) / gs, ng2 = (HD + gs - 1) / gs;
+    const coli_ix nb1 = (hid + 1) / 2, nb2 = (HD + 1) / 2;
+    const int lv = coli_q4_level(level, gs), cb = coli_q4_cb(level, gs);
+    const int avx2 = coli_ops_avx2(level, D);
+    float *hn = work, *yo = hn + coli_up16(hid), *xp1 = yo + coli_up16(hid);
+    float *gi1 = xp1 + coli_up16(ng1 * gs), *qkv = gi1 + coli_up16(ng1 * gst);
+    float *att = qkv + coli_up16(HD + 2 * KV * D), *xp2 = att + coli_up16(HD);
+    float *gi2 = xp2 + coli_up16(ng2 * gs), *p = gi2 + coli_up16(ng2 * gst);
+    float *q = qkv, *k = qkv + HD, *v = k + KV * D;
+    float *ys[3];
+    coli_ix Os[3], first[4], rb1 = coli_decode_rows(HD + 2 * KV * D, nt), rb2;
+    coli_ix nblk1, nblk2, i;
+    int m, heads_apart;
+    ys[0] = q;
+    ys[1] = k;
+    ys[2] = v;
+    Os[0] = HD;
+    Os[1] = Os[2] = KV * D;
+    first[0] = 0;
+    for (m = 0; m < 3; m++)
+        first[m + 1] = first[m] + (Os[m] + rb1 - 1) / rb1;
+    nblk1 = first[3];
+    rb2 = coli_decode_rows(hid, nt);
+    nblk2 = (hid + rb2 - 1) / rb2;
+    /* a parallel loop over heads costs more than a short context's whole attention (as in
+     * coli_attend_one) */
+    heads_apart = nt > 1 && n * H * D >= (coli_ix)1 << 18;
+
+    coli_rms_norm(x, W->in_norm, hn, 1, hid, W->eps);
+    coli_q4_prep(cb, hn, 1, hid, gs, ng1, xp1, gi1);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+        coli_ix b, h;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic)
+#endif
+        for (b = 0; b < nblk1; b++) {
+            int mm = b >= first[2] ? 2 : b >= first[1] ? 1 : 0;
+            coli_ix r0 = (b - first[mm]) * rb1, r1 = r0 + rb1 < Os[mm] ? r0 + rb1 : Os[mm];
+            coli_q4_rows(lv, W->w[mm], W->s[mm], xp1, gi1, ys[mm], NULL, r0, r1, 1, Os[mm], nb1,
+                         ng1, gs);
+        }
+#ifdef _OPENMP
+#pragma omp single
+#endif
+        {
+            coli_ix j, g;
+            int mm;
+            for (mm = 0; mm < 3; mm++)
+                if (W->bias[mm] != NULL)
+                    for (j = 0; j < Os[mm]; j++)
+                        ys[mm][j] = ys[mm][j] + W->bias[mm][j];
+            if (W->qk_norm == COLI_QK_FULL) {
+                coli_rms_norm(q, W->q_norm, q, 1, HD, W->eps);
+                coli_rms_norm(k, W->k_norm, k, 1, KV * D, W->eps);
+            }
+            if (W->clip >= 0.0f)    /* np.clip: NaN stays NaN */
+                for (j = 0; j < HD + 2 * KV * D; j++) {
+                    float c = qkv[j] > -W->clip || qkv[j] != qkv[j] ? qkv[j] : -W->clip;
+                    qkv[j] = c < W->clip || c != c ? c : W->clip;
+                }
+            if (W->qk_norm == COLI_QK_PER_HEAD) {
+                coli_rms_norm(q, W->q_norm, q, H, D, W->eps);
+                coli_rms_norm(k, W->k_norm, k, KV, D, W->eps);
+            }
+            coli_rope(q, cs, sn, 1, H, D);
+            coli_rope(k, cs, sn, 1, KV, D);
+            for (g = 0; g < KV; g++) {
+                memcpy(K + g * ks + pos * D, k + g * D, sizeof(float) * (size_t)D);
+                memcpy(V + g * vs + pos * D, v + g * D, sizeof(float) * (size_t)D);
+            }
+            if (!heads_apart) {
+                for (h = 0; h < H; h++)
+                    coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S,
+                                     scale, p + h * n, att + h * D, avx2);
+                coli_q4_prep(cb, att, 1, HD, gs, ng2, xp2, gi2);
+            }
+        }
+        if (heads_apart) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (h = 0; h < H; h++)
+                coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
+                                 p + h * n, att + h * D, avx2);
+#ifdef _OPENMP
+#pragma omp single
+#endif
+            coli_q4_prep(cb, att, 1, HD, gs, ng2, xp2, gi2);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic)
+#endif
+        for (b = 0; b < nblk2; b++) {
+            coli_ix r0 = b * rb2, r1 = r0 + rb2 < hid ? r0 + rb2 : hid;
+            coli_q4_rows(lv, W->w[3], W->s[3], xp2, gi2, yo, NULL, r0, r1, 1, hid, nb2, ng2, gs);
+        }
+    }
+    for (i = 0; i < hid; i++)
+        out[i] = x[i] + (W->bias[3] != NULL ? yo[i] + W->bias[3][i] : yo[i]);
+}
+
+#endif

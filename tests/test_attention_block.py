@@ -1,0 +1,145 @@
+"""Decode's attention block as one compiled call (cython_kernels/attention_block.h) against the
+step-by-step path it replaces (Engine._attention's operations and the residual add): the same
+bits of the output and of the key / value written into the cache, for every q/k norm kind, with
+biases and clipping, grouped-query heads, a sliding window, a context long enough to split the
+heads between threads, every SIMD variant and several thread counts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from core import kernels, quant
+from core.arch import ArchSpec
+from core.container import Weight
+from core.engine import Engine, KVCache
+from core.rope import Rope
+
+qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
+
+pytestmark = pytest.mark.usefixtures("kernel_settings")
+
+
+def _int4(rng, rows, cols, gs):
+    packed, scales = quant.quantize_int4(rng.standard_normal((rows, cols)).astype(np.float32), gs)
+    return Weight("int4", (rows, cols), packed, scales, gs)
+
+
+def _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, window):
+    vec = lambda n: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    q_norm = {"none": None, "full": vec(H * D), "per_head": vec(D)}[qk_norm]
+    k_norm = {"none": None, "full": vec(KV * D), "per_head": vec(D)}[qk_norm]
+    return SimpleNamespace(
+        q=_int4(rng, H * D, hidden, gs), k=_int4(rng, KV * D, hidden, gs),
+        v=_int4(rng, KV * D, hidden, gs), o=_int4(rng, hidden, H * D, gs),
+        q_bias=vec(H * D) if bias else None, k_bias=vec(KV * D) if bias else None,
+        v_bias=vec(KV * D) if bias else None, o_bias=vec(hidden) if bias else None,
+        input_norm=vec(hidden), q_norm=q_norm, k_norm=k_norm, window=window)
+
+
+def _spec(hidden, H, KV, D, qk_norm, clip):
+    return ArchSpec(vocab_size=8, hidden_size=hidden, num_layers=1, num_heads=H, num_kv_heads=KV,
+                    head_dim=D, rms_norm_eps=1e-5, qk_norm=qk_norm, mlp_kinds=["moe"],
+                    num_experts=2, top_k=1, norm_topk_prob=False, clip_qkv=clip,
+                    max_position_embeddings=4096)
+
+
+def _block(L, s):
+    return kernels.attention_block([L.q, L.k, L.v, L.o], [L.q_bias, L.k_bias, L.v_bias, L.o_bias],
+                                   L.input_norm, s.qk_norm, L.q_norm, L.k_norm, s.rms_norm_eps,
+                                   s.clip_qkv, s.num_heads, s.num_kv_heads, s.head_dim)
+
+
+def _filled_cache(rng, s, n):
+    cache = KVCache(s)
+    if n:
+        k = rng.standard_normal((n, s.num_kv_heads, s.head_dim)).astype(np.float32)
+        cache.append(0, k, rng.standard_normal(k.shape).astype(np.float32))
+        cache.length = n
+    cache.ensure(0, n + 1)          # as the engine does before the block
+    return cache
+
+
+CASES = [
+    # hidden, H, KV, D, gs, qk_norm, bias, clip, window, context
+    (256, 4, 4, 64, 64, "full", False, None, None, 9),
+    (256, 4, 2, 64, 64, "per_head", False, None, None, 0),
+    (192, 6, 2, 32, 32, "none", True, 0.7, None, 30),
+    (256, 4, 1, 64, 128, "per_head", True, None, 16, 40),
+    (128, 4, 4, 64, 64, "full", False, None, None, 1100),     # heads split between threads
+    (200, 2, 2, 64, 40, "none", False, None, None, 3),          # odd sizes: portable int4 path
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}-H{c[1]}-KV{c[2]}-S{c[9]}")
+def test_block_has_the_bits_of_the_step_by_step_path(case):
+    hidden, H, KV, D, gs, qk_norm, bias, clip, window, n = case
+    rng = np.random.default_rng(hidden + H + n)
+    s = _spec(hidden, H, KV, D, qk_norm, clip)
+    L = _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, window)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    before = _filled_cache(rng, s, n)
+    cos, sin = Rope({"rope_theta": 10000.0}, D).cos_sin(np.array([n]))
+    scale = np.float32(D ** -0.5)
+    eng = SimpleNamespace(spec=s, scale=scale)
+    block = _block(L, s)
+    assert block is not None
+    lo = max(0, n - window + 1) if window else 0
+    for simd in qm.simd_variants():
+        qm.set_simd(simd)
+        ref = KVCache(s)        # the step-by-step path with this variant's products
+        ref.k, ref.v, ref.length = [before.k[0].copy()], [before.v[0].copy()], n
+        want = x + Engine._attention(eng, 0, L, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps),
+                                     cos, sin, ref, np.array([n]))
+        for threads in (1, 2, 3):
+            qm.set_num_threads(threads)
+            k, v = before.k[0].copy(), before.v[0].copy()
+            got = block(x, cos, sin, k, v, n, lo, scale)
+            np.testing.assert_array_equal(got, want, err_msg=f"{simd}, {threads} threads")
+            np.testing.assert_array_equal(k[:, : n + 1], ref.k[0][:, : n + 1])
+            np.testing.assert_array_equal(v[:, : n + 1], ref.v[0][:, : n + 1])
+
+
+def test_block_rejects_what_does_not_fit():
+    rng = np.random.default_rng(3)
+    s = _spec(128, 2, 2, 64, "none", None)
+    L = _layer(rng, 128, 2, 2, 64, 64, "none", False, None)
+    block = _block(L, s)
+    cache = KVCache(s)
+    cache.ensure(0, 8)
+    k, v = cache.k[0], cache.v[0]
+    x = np.zeros((1, 128), np.float32)
+    cos = sin = np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError, match="x must be"):
+        block(np.zeros((1, 127), np.float32), cos, sin, k, v, 0, 0, 1.0)
+    with pytest.raises(ValueError, match="cos / sin"):
+        block(x, np.zeros((1, 32), np.float32), sin, k, v, 0, 0, 1.0)
+    with pytest.raises(ValueError, match="cache"):
+        block(x, cos, sin, k, v, k.shape[1], 0, 1.0)            # no room for the position
+    with pytest.raises(ValueError, match="cache"):
+        block(x, cos, sin, k[:1], v[:1], 0, 0, 1.0)             # kv heads
+    # projections the block does not take: the step-by-step path runs instead
+    L.o = Weight("dense", L.o.shape, np.zeros(L.o.shape, np.float32))
+    assert _block(L, s) is None
+    L2 = _layer(rng, 128, 2, 2, 64, 64, "full", False, None)
+    L2.q_norm = L2.q_norm[:5]
+    assert _block(L2, _spec(128, 2, 2, 64, "full", None)) is None
+
+
+def test_engine_decodes_the_same_with_and_without_the_block(containers):
+    from models import open_model
+    from tests.conftest import oracle_names
+    for name in oracle_names():
+        engine = open_model(containers(name, 4), threads=2)
+        assert any(L.attention_block is not None for L in engine.layers)
+        runs = []
+        for fused in (True, False):
+            engine.fused_attention = fused
+            cache = engine.new_cache()
+            out = [engine.forward([1, 2, 3], cache)]
+            for t in (4, 5, 6, 7):
+                out.append(engine.forward([t], cache))
+            runs.append(np.concatenate(out))
+            engine.recycle_cache(cache)
+        np.testing.assert_array_equal(runs[0], runs[1], err_msg=name)
