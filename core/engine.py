@@ -106,11 +106,15 @@ class _Layer:
         else:
             self.mlp = ExpertFFN(*(c.load(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")))
         self.window = spec.sliding_windows[i] if spec.sliding_windows else None
-        # decode's attention block in one compiled call (None: the step-by-step path)
+        # decode's attention block (and a MoE layer's router) in one compiled call (None: the
+        # step-by-step path)
+        moe = self.kind == "moe"
         self.attention_block = kernels.attention_block(
             [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
             self.input_norm, spec.qk_norm, self.q_norm, self.k_norm, spec.rms_norm_eps,
-            spec.clip_qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            spec.clip_qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            self.router if moe else None, self.post_norm if moe else None, spec.top_k,
+            spec.norm_topk_prob)
 
 
 def _biased(y: np.ndarray, bias) -> np.ndarray:
@@ -244,8 +248,9 @@ class Engine:
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
 
-    def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        top, weights = self.route(L, h)
+    def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray, routed=None) -> np.ndarray:
+        """routed: (top, weights) of h when the attention block computed them already."""
+        top, weights = routed if routed is not None else self.route(L, h)
         if h.shape[0] == 1:
             ids = top[0].tolist()       # one position: k distinct experts, strongest first
             used = sorted(ids)
@@ -294,16 +299,20 @@ class Engine:
                  and self.fused_attention)
         for i, L in enumerate(self.layers):
             t0 = time.perf_counter()
+            routed = None
             if block and L.attention_block is not None:
                 cache.ensure(i, cache.length + 1)
                 lo = max(0, cache.length - L.window + 1) if L.window is not None else 0
                 x = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length, lo, self.scale)
+                if L.kind == "moe":
+                    x, h, *routed = x
             else:
                 x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
             t1 = time.perf_counter()
             self._predict(i, x)
-            h = rms_norm(x, L.post_norm, s.rms_norm_eps)
-            x = x + (self._moe(i, L, h, pos) if L.kind == "moe" else expert_ffn(h, L.mlp))
+            if routed is None:
+                h = rms_norm(x, L.post_norm, s.rms_norm_eps)
+            x = x + (self._moe(i, L, h, pos, routed) if L.kind == "moe" else expert_ffn(h, L.mlp))
             t2 = time.perf_counter()
             c["attention_s"] += t1 - t0
             c["experts_s"] += t2 - t1

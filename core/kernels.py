@@ -235,12 +235,15 @@ def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> Non
 
 
 def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str, q_norm, k_norm,
-                    eps: float, clip, heads: int, kv_heads: int, head_dim: int):
+                    eps: float, clip, heads: int, kv_heads: int, head_dim: int, router=None,
+                    post_norm=None, top_k: int = 0, norm_topk: bool = False):
     """A layer's attention block for one decode position as one compiled call
     (cython_kernels/attention_block.h), or None where it does not apply: no extension, or q, k,
     v, o not all int4 with one group size. Called as block(x, cos, sin, keys, values, pos, lo,
     scale) -> x + the block's output, with the same bits as rms_norm, matmul_many, the q/k
-    norms, rope, the KV append, attention and matmul called one by one. The opt-in int8
+    norms, rope, the KV append, attention and matmul called one by one. With a router (float32
+    [experts, hidden]) the block also returns the MoE input rms_norm(x', post_norm) and the
+    router's softmax_topk: (x', h, top, weights). The opt-in int8
     activations are not wired into it: callers check int8_activations() and fall back."""
     if _compiled is None or not all(w.scheme == "int4" and w.group_size == proj[0].group_size
                                     for w in proj):
@@ -248,7 +251,7 @@ def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str,
     try:
         return _compiled.AttentionBlock([(w.data, w.scales) for w in proj], proj[0].group_size,
                                         biases, in_norm, qk_norm, q_norm, k_norm, eps, clip, heads,
-                                        kv_heads, head_dim)
+                                        kv_heads, head_dim, post_norm, router, top_k, norm_topk)
     except ValueError:      # shapes the block does not take: the step-by-step path reports them
         return None
 

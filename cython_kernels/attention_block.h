@@ -8,8 +8,11 @@
  * (benchmarks/README.md, sessions 5-6). Here q/k/v and o run in one parallel region with the
  * small operations in between on one thread (`omp single`), and nothing returns to Python.
  *
+ * Optionally the MoE router that follows (post-attention norm, logits, softmax top-k).
+ *
  * Same bits as the separate calls: every piece is the function those calls run (coli_q4_rows per
- * output row, coli_rms_norm, coli_rope, coli_attend_head), in the same order, and float32 adds
+ * output row, coli_rms_norm, coli_rope, coli_attend_head, coli_matvec_rows, coli_softmax_topk),
+ * in the same order, and float32 adds
  * for the biases and the residual (numpy's). Int4 projections with one group size and a float32
  * cache only; callers fall back to the separate calls otherwise.
  */
@@ -33,6 +36,11 @@ typedef struct {
     float eps;
     float clip;                 /* < 0: no clipping */
     coli_ix gs, hidden, H, KV, D;
+    /* the MoE router that follows (router == NULL: none): h = rms_norm(out, post_norm), then
+     * its softmax top-k over E experts */
+    const float *post_norm, *router;
+    coli_ix E, top_k;
+    int norm_topk;
 } coli_attn_w;
 
 static coli_ix coli_up16(coli_ix n)
@@ -47,17 +55,18 @@ static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S)
     coli_ix ng1 = (W->hidden + gs - 1) / gs, ng2 = (HD + gs - 1) / gs;
     return (size_t)(coli_up16(W->hidden) * 2 + coli_up16(ng1 * gs) + coli_up16(ng1 * gst)
                     + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD) + coli_up16(ng2 * gs)
-                    + coli_up16(ng2 * gst) + coli_up16(W->H * S));
+                    + coli_up16(ng2 * gst) + coli_up16(W->H * S) + 2 * coli_up16(W->E));
 }
 
-/* x [hidden] -> out [hidden]. K / V: the layer's cache, kv head g's positions at K + g * ks (rows
+/* x [hidden] -> out [hidden]; with a router also h [hidden] (the post-attention norm of out),
+ * top [top_k] and wts [top_k] (coli_softmax_topk's). K / V: the layer's cache, kv head g's positions at K + g * ks (rows
  * of D floats); this position's key and value are written at row pos, and attention reads rows
  * lo..pos. cs / sn: the rotary cos / sin of pos [D]. work: coli_attention_block_floats(W, pos + 1)
  * floats, 64-byte aligned. level: qkern.h's SIMD level. */
 static void coli_attention_block(const coli_attn_w *W, const float *x, const float *cs,
                                  const float *sn, float *K, float *V, coli_ix ks, coli_ix vs,
-                                 coli_ix pos, coli_ix lo, float scale, float *out, int nt,
-                                 int level, float *work)
+                                 coli_ix pos, coli_ix lo, float scale, float *out, float *h,
+                                 int64_t *top, float *wts, int nt, int level, float *work)
 {
     const coli_ix H = W->H, KV = W->KV, D = W->D, HD = H * D, gs = W->gs, hid = W->hidden;
     const coli_ix gst = coli_q4_gstride(gs), S = pos + 1, n = S - lo, G = H / KV;
@@ -69,6 +78,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     float *gi1 = xp1 + coli_up16(ng1 * gs), *qkv = gi1 + coli_up16(ng1 * gst);
     float *att = qkv + coli_up16(HD + 2 * KV * D), *xp2 = att + coli_up16(HD);
     float *gi2 = xp2 + coli_up16(ng2 * gs), *p = gi2 + coli_up16(ng2 * gst);
+    float *logits = p + coli_up16(H * S), *probs = logits + coli_up16(W->E);
     float *q = qkv, *k = qkv + HD, *v = k + KV * D;
     float *ys[3];
     coli_ix Os[3], first[4], rb1 = coli_decode_rows(HD + 2 * KV * D, nt), rb2;
@@ -163,6 +173,13 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     }
     for (i = 0; i < hid; i++)
         out[i] = x[i] + (W->bias[3] != NULL ? yo[i] + W->bias[3][i] : yo[i]);
+    /* the router here too: a stretch of Python between this region and the experts' let the
+     * second thread fall asleep (a region after a gap of 160+ us cost 25-100 us more here) */
+    if (W->router != NULL) {
+        coli_rms_norm(out, W->post_norm, h, 1, hid, W->eps);
+        coli_matvec_rows(h, W->router, logits, 1, W->E, hid, level);
+        coli_softmax_topk(logits, 1, W->E, W->top_k, W->norm_topk, probs, top, wts);
+    }
 }
 
 #endif

@@ -178,11 +178,16 @@ cdef extern from "attention_block.h":
         float eps
         float clip
         Py_ssize_t gs, hidden, H, KV, D
+        const float* post_norm
+        const float* router
+        Py_ssize_t E, top_k
+        int norm_topk
     size_t coli_attention_block_floats(const coli_attn_w* W, Py_ssize_t S) noexcept nogil
     void coli_attention_block(const coli_attn_w* W, const float* x, const float* cs,
                               const float* sn, float* K, float* V, Py_ssize_t ks, Py_ssize_t vs,
-                              Py_ssize_t pos, Py_ssize_t lo, float scale, float* out, int nt,
-                              int level, float* work) noexcept nogil
+                              Py_ssize_t pos, Py_ssize_t lo, float scale, float* out, float* h,
+                              int64_t* top, float* wts, int nt, int level,
+                              float* work) noexcept nogil
 
 
 cdef const float* _vec_ptr(object a, Py_ssize_t n, str name) except? NULL:
@@ -198,16 +203,21 @@ cdef const float* _vec_ptr(object a, Py_ssize_t n, str name) except? NULL:
 cdef class AttentionBlock:
     """A layer's attention block for one decode position as one compiled call
     (attention_block.h): x [1, hidden] -> x + o(attention(...)), writing this position's key
-    and value into the layer's float32 cache. The same bits as the separate calls (rms_norm,
+    and value into the layer's float32 cache; with a router, also the MoE block's input (the
+    post-attention norm) and its top-k. The same bits as the separate calls (rms_norm,
     q4_matmul_many, the biases / q-k norms / clip, rope_, attend_one, q4_matmul, the residual
-    add). Built once per layer; each argument array is kept alive here."""
+    add, rms_norm, router_logits, softmax_topk). Built once per layer; each argument array is
+    kept alive here."""
     cdef coli_attn_w w
     cdef object _keep
 
     def __init__(self, proj, Py_ssize_t group_size, biases, in_norm, str qk_norm, q_norm, k_norm,
-                 float eps, clip, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim):
+                 float eps, clip, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim,
+                 post_norm=None, router=None, Py_ssize_t top_k=0, bint norm_topk=False):
         """proj: (data, scales) of the int4 q, k, v, o projections; biases: 4 vectors or None;
-        qk_norm: "none", "full" or "per_head"; clip: a float or None."""
+        qk_norm: "none", "full" or "per_head"; clip: a float or None; router: float32
+        [experts, hidden] (None: no router) with its post_norm [hidden] and top_k."""
+        cdef const float[:, ::1] rv
         cdef Py_ssize_t hidden, m, HD = heads * head_dim, KD = kv_heads * head_dim
         cdef const unsigned char[:, ::1] wv
         cdef const float[:, ::1] sv
@@ -220,7 +230,7 @@ cdef class AttentionBlock:
         hidden = np.asarray(in_norm).shape[0]
         rows = (HD, KD, KD, hidden)
         cols = (hidden, hidden, hidden, HD)
-        self._keep = (proj, biases, in_norm, q_norm, k_norm)
+        self._keep = (proj, biases, in_norm, q_norm, k_norm, post_norm, router)
         for m in range(4):
             wv = proj[m][0]
             sv = proj[m][1]
@@ -251,6 +261,20 @@ cdef class AttentionBlock:
         self.w.clip = -1.0 if clip is None else float(clip)
         if clip is not None and not clip >= 0:
             raise ValueError(f"attention block: clip must be >= 0, got {clip}")
+        self.w.router = NULL
+        self.w.post_norm = NULL
+        self.w.E = self.w.top_k = 0
+        if router is not None:
+            rv = router
+            if rv.shape[1] != hidden or not 0 < top_k <= rv.shape[0]:
+                raise ValueError("attention block: the router does not match")
+            self.w.router = &rv[0, 0]
+            self.w.post_norm = _vec_ptr(post_norm, hidden, "post-attention norm")
+            if self.w.post_norm == NULL:
+                raise ValueError("attention block: the router needs its post-attention norm")
+            self.w.E = rv.shape[0]
+            self.w.top_k = top_k
+            self.w.norm_topk = norm_topk
         self.w.gs = group_size
         self.w.hidden = hidden
         self.w.H = heads
@@ -262,7 +286,8 @@ cdef class AttentionBlock:
                  float scale):
         """x [1, hidden]; cos / sin [1, head_dim] (the rotary angles of pos); keys / values: the
         layer's cache [kv_heads, capacity, head_dim] with capacity > pos. Attends to positions
-        lo..pos. Returns x + the block's output, [1, hidden]."""
+        lo..pos. Returns x + the block's output, [1, hidden]; with a router, (that, the MoE input
+        h [1, hidden], top int64 [1, top_k], weights float32 [1, top_k])."""
         cdef Py_ssize_t D = self.w.D
         cdef int nt = get_num_threads()
         if x.shape[0] != 1 or x.shape[1] != self.w.hidden:
@@ -275,12 +300,25 @@ cdef class AttentionBlock:
             raise ValueError("attention block: the cache does not match (or pos is outside it)")
         out = np.empty((1, self.w.hidden), np.float32)
         cdef float[:, ::1] ov = out
+        cdef float[:, ::1] hv
+        cdef int64_t[:, ::1] tv
+        cdef float[:, ::1] wv
+        cdef bint routed = self.w.router != NULL
+        if routed:
+            h = np.empty((1, self.w.hidden), np.float32)
+            top = np.empty((1, self.w.top_k), np.int64)
+            wts = np.empty((1, self.w.top_k), np.float32)
+            hv = h
+            tv = top
+            wv = wts
         cdef float* work = <float*>_amalloc(coli_attention_block_floats(&self.w, pos + 1) * sizeof(float))
         if work == NULL:
             raise MemoryError()
         with nogil:
             coli_attention_block(&self.w, &x[0, 0], &cos[0, 0], &sin[0, 0], &keys[0, 0, 0],
                                  &values[0, 0, 0], keys.shape[1] * D, values.shape[1] * D, pos,
-                                 lo, scale, &ov[0, 0], nt, _level, work)
+                                 lo, scale, &ov[0, 0], &hv[0, 0] if routed else NULL,
+                                 &tv[0, 0] if routed else NULL, &wv[0, 0] if routed else NULL,
+                                 nt, _level, work)
         _afree(work)
-        return out
+        return (out, h, top, wts) if routed else out

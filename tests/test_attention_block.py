@@ -2,7 +2,8 @@
 step-by-step path it replaces (Engine._attention's operations and the residual add): the same
 bits of the output and of the key / value written into the cache, for every q/k norm kind, with
 biases and clipping, grouped-query heads, a sliding window, a context long enough to split the
-heads between threads, every SIMD variant and several thread counts."""
+heads between threads, every SIMD variant and several thread counts; and the MoE router it can
+end with (post-attention norm, logits, softmax top-k)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -35,20 +36,23 @@ def _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, window):
         v=_int4(rng, KV * D, hidden, gs), o=_int4(rng, hidden, H * D, gs),
         q_bias=vec(H * D) if bias else None, k_bias=vec(KV * D) if bias else None,
         v_bias=vec(KV * D) if bias else None, o_bias=vec(hidden) if bias else None,
-        input_norm=vec(hidden), q_norm=q_norm, k_norm=k_norm, window=window)
+        input_norm=vec(hidden), q_norm=q_norm, k_norm=k_norm, window=window,
+        post_norm=vec(hidden), router=rng.standard_normal((6, hidden)).astype(np.float32))
 
 
 def _spec(hidden, H, KV, D, qk_norm, clip):
     return ArchSpec(vocab_size=8, hidden_size=hidden, num_layers=1, num_heads=H, num_kv_heads=KV,
                     head_dim=D, rms_norm_eps=1e-5, qk_norm=qk_norm, mlp_kinds=["moe"],
-                    num_experts=2, top_k=1, norm_topk_prob=False, clip_qkv=clip,
+                    num_experts=6, top_k=2, norm_topk_prob=True, clip_qkv=clip,
                     max_position_embeddings=4096)
 
 
-def _block(L, s):
+def _block(L, s, router=False):
     return kernels.attention_block([L.q, L.k, L.v, L.o], [L.q_bias, L.k_bias, L.v_bias, L.o_bias],
                                    L.input_norm, s.qk_norm, L.q_norm, L.k_norm, s.rms_norm_eps,
-                                   s.clip_qkv, s.num_heads, s.num_kv_heads, s.head_dim)
+                                   s.clip_qkv, s.num_heads, s.num_kv_heads, s.head_dim,
+                                   L.router if router else None, L.post_norm, s.top_k,
+                                   s.norm_topk_prob)
 
 
 def _filled_cache(rng, s, n):
@@ -83,8 +87,8 @@ def test_block_has_the_bits_of_the_step_by_step_path(case):
     cos, sin = Rope({"rope_theta": 10000.0}, D).cos_sin(np.array([n]))
     scale = np.float32(D ** -0.5)
     eng = SimpleNamespace(spec=s, scale=scale)
-    block = _block(L, s)
-    assert block is not None
+    block, routed = _block(L, s), _block(L, s, router=True)
+    assert block is not None and routed is not None
     lo = max(0, n - window + 1) if window else 0
     for simd in qm.simd_variants():
         qm.set_simd(simd)
@@ -99,6 +103,14 @@ def test_block_has_the_bits_of_the_step_by_step_path(case):
             np.testing.assert_array_equal(got, want, err_msg=f"{simd}, {threads} threads")
             np.testing.assert_array_equal(k[:, : n + 1], ref.k[0][:, : n + 1])
             np.testing.assert_array_equal(v[:, : n + 1], ref.v[0][:, : n + 1])
+        got, h, top, weights = routed(x, cos, sin, before.k[0].copy(), before.v[0].copy(), n, lo,
+                                      scale)
+        want_h = kernels.rms_norm(want, L.post_norm, s.rms_norm_eps)
+        want_top, want_w = kernels.softmax_topk(kernels.router_logits(want_h, L.router), 2, True)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(h, want_h)
+        np.testing.assert_array_equal(top, want_top)
+        np.testing.assert_array_equal(weights, want_w)
 
 
 def test_block_rejects_what_does_not_fit():
@@ -119,6 +131,10 @@ def test_block_rejects_what_does_not_fit():
         block(x, cos, sin, k, v, k.shape[1], 0, 1.0)            # no room for the position
     with pytest.raises(ValueError, match="cache"):
         block(x, cos, sin, k[:1], v[:1], 0, 0, 1.0)             # kv heads
+    with pytest.raises(ValueError, match="router"):
+        qm.AttentionBlock([(w.data, w.scales) for w in (L.q, L.k, L.v, L.o)], 64, [None] * 4,
+                          L.input_norm, "none", None, None, 1e-5, None, 2, 2, 64, L.post_norm,
+                          L.router[:, :5].copy(), 2)
     # projections the block does not take: the step-by-step path runs instead
     L.o = Weight("dense", L.o.shape, np.zeros(L.o.shape, np.float32))
     assert _block(L, s) is None
