@@ -294,9 +294,8 @@ class Engine:
         pos = np.arange(cache.length, cache.length + len(ids))
         cos, sin = self.rope.cos_sin(pos)
         c = self.counters
-        # one decode position over a float32 cache: each layer's attention is one compiled call
-        block = (len(ids) == 1 and cache.dtype == np.float32 and not kernels.int8_activations()
-                 and self.fused_attention)
+        # one decode position: each layer's attention (and router) is one compiled call
+        block = len(ids) == 1 and self.fused_attention and not kernels.int8_activations()
         for i, L in enumerate(self.layers):
             t0 = time.perf_counter()
             routed = None

@@ -11,10 +11,10 @@
  * Optionally the MoE router that follows (post-attention norm, logits, softmax top-k).
  *
  * Same bits as the separate calls: every piece is the function those calls run (coli_q4_rows per
- * output row, coli_rms_norm, coli_rope, coli_attend_head, coli_matvec_rows, coli_softmax_topk),
- * in the same order, and float32 adds
- * for the biases and the residual (numpy's). Int4 projections with one group size and a float32
- * cache only; callers fall back to the separate calls otherwise.
+ * output row, coli_rms_norm, coli_rope, coli_attend_head[_h], coli_matvec_rows,
+ * coli_softmax_topk), in the same order, float32 adds for the biases and the residual (numpy's),
+ * and numpy's rounding for a float16 cache's new row (coli_f2h). Int4 projections with one group
+ * size only; callers fall back to the separate calls otherwise.
  */
 #ifndef COLI_ATTENTION_BLOCK_H
 #define COLI_ATTENTION_BLOCK_H
@@ -48,23 +48,53 @@ static coli_ix coli_up16(coli_ix n)
     return (n + 15) / 16 * 16;
 }
 
-/* Floats of scratch coli_attention_block needs at S cache positions (64-byte aligned pieces). */
-static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S)
+/* Floats of scratch coli_attention_block needs at S cache positions (64-byte aligned pieces);
+ * half: a float16 cache (nt threads widen it into buffers of their own). */
+static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S, int half, int nt)
 {
     coli_ix gs = W->gs, HD = W->H * W->D, gst = coli_q4_gstride(gs);
     coli_ix ng1 = (W->hidden + gs - 1) / gs, ng2 = (HD + gs - 1) / gs;
     return (size_t)(coli_up16(W->hidden) * 2 + coli_up16(ng1 * gs) + coli_up16(ng1 * gst)
                     + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD) + coli_up16(ng2 * gs)
-                    + coli_up16(ng2 * gst) + coli_up16(W->H * S) + 2 * coli_up16(W->E));
+                    + coli_up16(ng2 * gst) + coli_up16(W->H * S) + 2 * coli_up16(W->E)
+                    + (half ? (coli_ix)nt * COLI_KV_CHUNK * W->D : 0));
+}
+
+static int coli_thread(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Query head h of one position: coli_attend_head, or its float16-cache form (buf: its widening
+ * buffer), as coli_attend_one runs them. */
+static void coli_attend_block_head(const float *q, const void *K, const void *V, coli_ix ks,
+                                   coli_ix vs, int half, coli_ix h, coli_ix G, coli_ix D,
+                                   coli_ix lo, coli_ix S, float scale, float *p, coli_ix n,
+                                   float *buf, float *att, int avx2)
+{
+    if (half)
+        coli_attend_head_h(q + h * D, (const uint16_t *)K + (h / G) * ks,
+                           (const uint16_t *)V + (h / G) * vs, D, lo, S, scale, p + h * n, buf,
+                           att + h * D, avx2);
+    else
+        coli_attend_head(q + h * D, (const float *)K + (h / G) * ks,
+                         (const float *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
+                         att + h * D, avx2);
 }
 
 /* x [hidden] -> out [hidden]; with a router also h [hidden] (the post-attention norm of out),
  * top [top_k] and wts [top_k] (coli_softmax_topk's). K / V: the layer's cache, kv head g's positions at K + g * ks (rows
  * of D floats); this position's key and value are written at row pos, and attention reads rows
  * lo..pos. cs / sn: the rotary cos / sin of pos [D]. work: coli_attention_block_floats(W, pos + 1)
- * floats, 64-byte aligned. level: qkern.h's SIMD level. */
+ * floats, 64-byte aligned. level: qkern.h's SIMD level. half: K / V are float16 (uint16_t; ks / vs
+ * in halves): this position's key and value are rounded as numpy's astype(float16) does, and
+ * attention widens the cache exactly (coli_attend_head_h). */
 static void coli_attention_block(const coli_attn_w *W, const float *x, const float *cs,
-                                 const float *sn, float *K, float *V, coli_ix ks, coli_ix vs,
+                                 const float *sn, void *K, void *V, coli_ix ks, coli_ix vs, int half,
                                  coli_ix pos, coli_ix lo, float scale, float *out, float *h,
                                  int64_t *top, float *wts, int nt, int level, float *work)
 {
@@ -79,6 +109,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     float *att = qkv + coli_up16(HD + 2 * KV * D), *xp2 = att + coli_up16(HD);
     float *gi2 = xp2 + coli_up16(ng2 * gs), *p = gi2 + coli_up16(ng2 * gst);
     float *logits = p + coli_up16(H * S), *probs = logits + coli_up16(W->E);
+    float *wide = probs + coli_up16(W->E);     /* half: COLI_KV_CHUNK * D floats per thread */
     float *q = qkv, *k = qkv + HD, *v = k + KV * D;
     float *ys[3];
     coli_ix Os[3], first[4], rb1 = coli_decode_rows(HD + 2 * KV * D, nt), rb2;
@@ -140,14 +171,20 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
             }
             coli_rope(q, cs, sn, 1, H, D);
             coli_rope(k, cs, sn, 1, KV, D);
-            for (g = 0; g < KV; g++) {
-                memcpy(K + g * ks + pos * D, k + g * D, sizeof(float) * (size_t)D);
-                memcpy(V + g * vs + pos * D, v + g * D, sizeof(float) * (size_t)D);
-            }
+            for (g = 0; g < KV; g++)
+                if (half)
+                    for (j = 0; j < D; j++) {
+                        ((uint16_t *)K)[g * ks + pos * D + j] = coli_f2h(k[g * D + j]);
+                        ((uint16_t *)V)[g * vs + pos * D + j] = coli_f2h(v[g * D + j]);
+                    }
+                else {
+                    memcpy((float *)K + g * ks + pos * D, k + g * D, sizeof(float) * (size_t)D);
+                    memcpy((float *)V + g * vs + pos * D, v + g * D, sizeof(float) * (size_t)D);
+                }
             if (!heads_apart) {
                 for (h = 0; h < H; h++)
-                    coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S,
-                                     scale, p + h * n, att + h * D, avx2);
+                    coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
+                                           wide, att, avx2);
                 coli_q4_prep(cb, att, 1, HD, gs, ng2, xp2, gi2);
             }
         }
@@ -156,8 +193,9 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
 #pragma omp for schedule(static)
 #endif
             for (h = 0; h < H; h++)
-                coli_attend_head(q + h * D, K + (h / G) * ks, V + (h / G) * vs, D, lo, S, scale,
-                                 p + h * n, att + h * D, avx2);
+                coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
+                                       wide + (coli_ix)coli_thread() * COLI_KV_CHUNK * D, att,
+                                       avx2);
 #ifdef _OPENMP
 #pragma omp single
 #endif

@@ -248,6 +248,41 @@ static float coli_h2f(uint16_t h)
     return o.f;
 }
 
+/* float -> half as numpy's astype(float16) does it (npy_floatbits_to_halfbits): round to nearest
+ * even, subnormal halves, overflow to inf, NaN kept a NaN with the top of its payload. */
+static uint16_t coli_f2h(float x)
+{
+    union { float f; uint32_t u; } v;
+    uint32_t f, f_exp, f_sig;
+    uint16_t h_sgn, h_sig;
+    v.f = x;
+    f = v.u;
+    h_sgn = (uint16_t)((f & 0x80000000u) >> 16);
+    f_exp = f & 0x7f800000u;
+    if (f_exp >= 0x47800000u) {                    /* inf, NaN, or too large: inf */
+        if (f_exp == 0x7f800000u && (f & 0x007fffffu) != 0) {
+            uint16_t r = (uint16_t)(0x7c00u + ((f & 0x007fffffu) >> 13));
+            return (uint16_t)(h_sgn + (r == 0x7c00u ? r + 1 : r));
+        }
+        return (uint16_t)(h_sgn + 0x7c00u);
+    }
+    if (f_exp <= 0x38000000u) {                    /* a subnormal half, or zero */
+        if (f_exp < 0x33000000u)
+            return h_sgn;
+        f_exp >>= 23;
+        f_sig = 0x00800000u + (f & 0x007fffffu);
+        f_sig >>= (113 - f_exp);
+        if ((f_sig & 0x00003fffu) != 0x00001000u || (f & 0x000007ffu))
+            f_sig += 0x00001000u;
+        return (uint16_t)(h_sgn + (uint16_t)(f_sig >> 13));
+    }
+    f_sig = f & 0x007fffffu;
+    if ((f_sig & 0x00003fffu) != 0x00001000u)
+        f_sig += 0x00001000u;
+    h_sig = (uint16_t)(f_sig >> 13);
+    return (uint16_t)(h_sgn + (uint16_t)(h_sig + (uint16_t)((f_exp - 0x38000000u) >> 13)));
+}
+
 #if COLI_X86
 /* coli_h2f on 8 halves at a time (AVX2 integer operations; the same exact values). */
 COLI_T_AVX2 static void coli_h2f_avx2(const uint16_t *h, float *f, coli_ix n)

@@ -17,6 +17,7 @@ cdef extern from "layer_ops.h":
                            int norm, float* probs, int64_t* top, float* wts) noexcept nogil
     void coli_h2f_rows(const uint16_t* h, float* f, Py_ssize_t n, int avx2) noexcept nogil
     float coli_h2f(uint16_t h) noexcept nogil
+    uint16_t coli_f2h(float x) noexcept nogil
 
     int coli_ops_avx2(int level, Py_ssize_t D) noexcept nogil
     int coli_h2f_avx2_int(const uint16_t* h, float* f, Py_ssize_t n) noexcept nogil
@@ -119,6 +120,18 @@ def f16_to_f32(const uint16_t[::1] h, str path="auto"):
     return out
 
 
+def f32_to_f16(const float[::1] x):
+    """float32 values rounded to float16 (returned as uint16 bits) by the attention block's
+    conversion of a new cache row, which follows numpy's astype(np.float16)."""
+    cdef Py_ssize_t i, n = x.shape[0]
+    out = np.empty(n, np.uint16)
+    cdef uint16_t[::1] ov = out
+    with nogil:
+        for i in range(n):
+            ov[i] = coli_f2h(x[i])
+    return out
+
+
 def router_logits(const float[:, ::1] x, const float[:, ::1] W):
     """x [T, D] @ W.T for a float32 router W [E, D], on the calling thread (for the few rows of
     decode and short prompts, where a multi-threaded sgemm's spinning workers would slow the
@@ -182,9 +195,11 @@ cdef extern from "attention_block.h":
         const float* router
         Py_ssize_t E, top_k
         int norm_topk
-    size_t coli_attention_block_floats(const coli_attn_w* W, Py_ssize_t S) noexcept nogil
+    size_t coli_attention_block_floats(const coli_attn_w* W, Py_ssize_t S, int half,
+                                       int nt) noexcept nogil
     void coli_attention_block(const coli_attn_w* W, const float* x, const float* cs,
-                              const float* sn, float* K, float* V, Py_ssize_t ks, Py_ssize_t vs,
+                              const float* sn, void* K, void* V, Py_ssize_t ks, Py_ssize_t vs,
+                              int half,
                               Py_ssize_t pos, Py_ssize_t lo, float scale, float* out, float* h,
                               int64_t* top, float* wts, int nt, int level,
                               float* work) noexcept nogil
@@ -282,14 +297,19 @@ cdef class AttentionBlock:
         self.w.D = head_dim
 
     def __call__(self, const float[:, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
-                 float[:, :, ::1] keys, float[:, :, ::1] values, Py_ssize_t pos, Py_ssize_t lo,
-                 float scale):
+                 keys, values, Py_ssize_t pos, Py_ssize_t lo, float scale):
         """x [1, hidden]; cos / sin [1, head_dim] (the rotary angles of pos); keys / values: the
-        layer's cache [kv_heads, capacity, head_dim] with capacity > pos. Attends to positions
+        layer's cache [kv_heads, capacity, head_dim], C-contiguous float32 or float16, with
+        capacity > pos. Attends to positions
         lo..pos. Returns x + the block's output, [1, hidden]; with a router, (that, the MoE input
         h [1, hidden], top int64 [1, top_k], weights float32 [1, top_k])."""
         cdef Py_ssize_t D = self.w.D
         cdef int nt = get_num_threads()
+        cdef bint half = keys.dtype == np.float16
+        cdef float[:, :, ::1] kf, vf
+        cdef uint16_t[:, :, ::1] kh, vh
+        cdef void* kp
+        cdef void* vp
         if x.shape[0] != 1 or x.shape[1] != self.w.hidden:
             raise ValueError(f"attention block: x must be [1, {self.w.hidden}]")
         if cos.shape[0] != 1 or sin.shape[0] != 1 or cos.shape[1] != D or sin.shape[1] != D:
@@ -298,6 +318,17 @@ cdef class AttentionBlock:
                 or values.shape[1] != keys.shape[1] or values.shape[2] != D
                 or not 0 <= pos < keys.shape[1] or not 0 <= lo <= pos):
             raise ValueError("attention block: the cache does not match (or pos is outside it)")
+        if values.dtype != keys.dtype:
+            raise ValueError("attention block: keys and values differ in type")
+        cdef Py_ssize_t ks = keys.shape[1] * D, vs = values.shape[1] * D
+        if half:
+            kh = keys.view(np.uint16)
+            vh = values.view(np.uint16)
+            kp, vp = <void*>&kh[0, 0, 0], <void*>&vh[0, 0, 0]
+        else:
+            kf = keys
+            vf = values
+            kp, vp = <void*>&kf[0, 0, 0], <void*>&vf[0, 0, 0]
         out = np.empty((1, self.w.hidden), np.float32)
         cdef float[:, ::1] ov = out
         cdef float[:, ::1] hv
@@ -311,12 +342,13 @@ cdef class AttentionBlock:
             hv = h
             tv = top
             wv = wts
-        cdef float* work = <float*>_amalloc(coli_attention_block_floats(&self.w, pos + 1) * sizeof(float))
+        cdef float* work = <float*>_amalloc(coli_attention_block_floats(&self.w, pos + 1, half, nt)
+                                            * sizeof(float))
         if work == NULL:
             raise MemoryError()
         with nogil:
-            coli_attention_block(&self.w, &x[0, 0], &cos[0, 0], &sin[0, 0], &keys[0, 0, 0],
-                                 &values[0, 0, 0], keys.shape[1] * D, values.shape[1] * D, pos,
+            coli_attention_block(&self.w, &x[0, 0], &cos[0, 0], &sin[0, 0], kp, vp,
+                                 ks, vs, half, pos,
                                  lo, scale, &ov[0, 0], &hv[0, 0] if routed else NULL,
                                  &tv[0, 0] if routed else NULL, &wv[0, 0] if routed else NULL,
                                  nt, _level, work)

@@ -55,8 +55,8 @@ def _block(L, s, router=False):
                                    s.norm_topk_prob)
 
 
-def _filled_cache(rng, s, n):
-    cache = KVCache(s)
+def _filled_cache(rng, s, n, dtype=np.float32):
+    cache = KVCache(s, dtype=dtype)
     if n:
         k = rng.standard_normal((n, s.num_kv_heads, s.head_dim)).astype(np.float32)
         cache.append(0, k, rng.standard_normal(k.shape).astype(np.float32))
@@ -76,14 +76,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}-H{c[1]}-KV{c[2]}-S{c[9]}")
-def test_block_has_the_bits_of_the_step_by_step_path(case):
+def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
     hidden, H, KV, D, gs, qk_norm, bias, clip, window, n = case
     rng = np.random.default_rng(hidden + H + n)
     s = _spec(hidden, H, KV, D, qk_norm, clip)
     L = _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, window)
     x = rng.standard_normal((1, hidden)).astype(np.float32)
-    before = _filled_cache(rng, s, n)
+    before = _filled_cache(rng, s, n, kv)
     cos, sin = Rope({"rope_theta": 10000.0}, D).cos_sin(np.array([n]))
     scale = np.float32(D ** -0.5)
     eng = SimpleNamespace(spec=s, scale=scale)
@@ -92,7 +93,7 @@ def test_block_has_the_bits_of_the_step_by_step_path(case):
     lo = max(0, n - window + 1) if window else 0
     for simd in qm.simd_variants():
         qm.set_simd(simd)
-        ref = KVCache(s)        # the step-by-step path with this variant's products
+        ref = KVCache(s, dtype=kv)      # the step-by-step path with this variant's products
         ref.k, ref.v, ref.length = [before.k[0].copy()], [before.v[0].copy()], n
         want = x + Engine._attention(eng, 0, L, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps),
                                      cos, sin, ref, np.array([n]))
@@ -146,8 +147,8 @@ def test_block_rejects_what_does_not_fit():
 def test_engine_decodes_the_same_with_and_without_the_block(containers):
     from models import open_model
     from tests.conftest import oracle_names
-    for name in oracle_names():
-        engine = open_model(containers(name, 4), threads=2)
+    for name, kv in zip(oracle_names(), ["float32", "float16"] * len(oracle_names())):
+        engine = open_model(containers(name, 4), threads=2, kv_cache=kv)
         assert any(L.attention_block is not None for L in engine.layers)
         runs = []
         for fused in (True, False):
@@ -158,4 +159,21 @@ def test_engine_decodes_the_same_with_and_without_the_block(containers):
                 out.append(engine.forward([t], cache))
             runs.append(np.concatenate(out))
             engine.recycle_cache(cache)
-        np.testing.assert_array_equal(runs[0], runs[1], err_msg=name)
+        np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{name}, {kv} cache")
+
+
+def test_float16_rounding_of_a_new_cache_row_is_numpys():
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    exact = halves.view(np.float16).astype(np.float32)
+    finite = exact[np.isfinite(exact)]
+    pairs = np.sort(np.unique(finite))
+    mids = ((pairs[:-1].astype(np.float64) + pairs[1:]) / 2).astype(np.float32)    # ties
+    rng = np.random.default_rng(0)
+    rand = (rng.standard_normal(200_000) * np.exp2(rng.integers(-30, 20, 200_000))).astype(np.float32)
+    x = np.concatenate([finite, mids, np.nextafter(mids, np.float32(np.inf)),
+                        np.nextafter(mids, np.float32(-np.inf)), rand,
+                        np.array([np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 1e-8, -0.0, 1e30],
+                                 np.float32)])
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(qm.f32_to_f16(x), want)
