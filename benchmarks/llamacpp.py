@@ -189,7 +189,7 @@ def our_bench(path: Path, threads: int, prompt: int, gen: int) -> dict:
     from benchmarks.decode import run_child
 
     a = argparse.Namespace(dir=path, tokens=gen, prompt_len=8, seed=0, prefill=prompt,
-                           int8_activations=False)
+                           int8_activations=False, kv_cache="float32")
     r = run_child(a, threads)
     if "error" in r:
         return {"error": f"our engine failed: {r['error']}"}
