@@ -65,7 +65,13 @@ class TieredStore(ExpertStore):
         self.slot_bytes = slot_bytes(container)        # largest expert + room to align reads
         # Every slot in one page-aligned arena: a big model's tens of thousands of slots are not
         # as many mappings (Linux allows 65,530 per process by default).
-        arena = anonymous_buffer(self.slot_bytes * cap * len(self._layers_of))
+        size = self.slot_bytes * cap * len(self._layers_of)
+        try:
+            arena = anonymous_buffer(size)
+        except (OSError, OverflowError) as e:      # more than the OS will map at all
+            raise ColiError(f"cannot reserve {size / 1e9:.1f} GB for {cap} experts per layer "
+                            f"({getattr(e, 'strerror', None) or e}); ask for fewer with --cap or "
+                            f"--ram-gb") from None
         slots = (_Slot(arena[i * self.slot_bytes: (i + 1) * self.slot_bytes])
                  for i in range(cap * len(self._layers_of)))
         self.layers = {l: _Layer([next(slots) for _ in range(cap)]) for l in self._layers_of}

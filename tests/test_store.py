@@ -136,3 +136,11 @@ def test_expert_slots_share_one_arena(containers):
     step = engine.store.slot_bytes
     assert step % 4096 == 0 and addresses[0] % 4096 == 0       # O_DIRECT's alignment
     assert np.all(np.diff(addresses) == step)                 # contiguous, none overlapping
+
+
+def test_an_arena_the_os_cannot_map_is_one_clear_error(containers):
+    from core.container import Container
+    from core.tiered_store import TieredStore
+    c = Container(containers(oracle_names()[0], 4))
+    with pytest.raises(ColiError, match="cannot reserve .* --cap"):
+        TieredStore(c, cap=1 << 40)        # petabytes: past any machine's address space
