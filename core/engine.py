@@ -295,7 +295,7 @@ class Engine:
         cos, sin = self.rope.cos_sin(pos)
         c = self.counters
         # one decode position: each layer's attention (and router) is one compiled call
-        block = len(ids) == 1 and self.fused_attention and not kernels.int8_activations()
+        block = len(ids) == 1 and self.fused_attention
         for i, L in enumerate(self.layers):
             t0 = time.perf_counter()
             routed = None

@@ -243,8 +243,8 @@ def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str,
     scale) -> x + the block's output, with the same bits as rms_norm, matmul_many, the q/k
     norms, rope, the KV append, attention and matmul called one by one. With a router (float32
     [experts, hidden]) the block also returns the MoE input rms_norm(x', post_norm) and the
-    router's softmax_topk: (x', h, top, weights). The opt-in int8
-    activations are not wired into it: callers check int8_activations() and fall back."""
+    router's softmax_topk: (x', h, top, weights). With the opt-in int8 activations on, its
+    products take that path as matmul's do."""
     if _compiled is None or not all(w.scheme == "int4" and w.group_size == proj[0].group_size
                                     for w in proj):
         return None
@@ -254,10 +254,6 @@ def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str,
                                         kv_heads, head_dim, post_norm, router, top_k, norm_topk)
     except ValueError:      # shapes the block does not take: the step-by-step path reports them
         return None
-
-
-def int8_activations() -> bool:
-    return _compiled is not None and _compiled.int8_activations()
 
 
 def rank_sum(c: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -48,15 +48,61 @@ static coli_ix coli_up16(coli_ix n)
     return (n + 15) / 16 * 16;
 }
 
+/* An input of the block's int4 products laid out for the kernels: the float path's (xp, gi), or
+ * the opt-in int8-activation path's (xq, xd, xc) -- what qmatmul's _q4_run / _q4i8_run prepare. */
+typedef struct {
+    float *xp, *gi, *xd;
+    int8_t *xq;
+    int32_t *xc;
+} coli_xlay;
+
+/* Floats a layout for `cols` inputs takes (64-byte aligned pieces); with at != NULL, carve it
+ * from there. */
+static coli_ix coli_xlay_carve(float *at, coli_ix cols, coli_ix gs, coli_xlay *l)
+{
+    coli_ix ng = (cols + gs - 1) / gs, L = ng * gs, d8 = L / 64 * 8;
+    coli_ix nxp = coli_up16(L), ngi = coli_up16(ng * coli_q4_gstride(gs));
+    coli_ix nxq = coli_up16((L + 64 + 3) / 4), nd = coli_up16(d8);
+    if (at != NULL) {
+        l->xp = at;
+        l->gi = at + nxp;
+        l->xq = (int8_t *)(at + nxp + ngi);
+        l->xd = at + nxp + ngi + nxq;
+        l->xc = (int32_t *)(at + nxp + ngi + nxq + nd);
+    }
+    return nxp + ngi + nxq + 2 * nd;
+}
+
+static void coli_xlay_prep(int i8, int cb, const float *x, coli_ix cols, coli_ix gs,
+                           const coli_xlay *l)
+{
+    coli_ix ng = (cols + gs - 1) / gs;
+    if (i8)
+        coli_q4i8_prep(x, 1, cols, ng * gs, l->xq, l->xd, l->xc);
+    else
+        coli_q4_prep(cb, x, 1, cols, gs, ng, l->xp, l->gi);
+}
+
+/* Output rows [r0, r1) of one int4 product of the block (O rows of `cols` inputs). */
+static void coli_xlay_rows(int i8, int lv, const uint8_t *w, const float *s, const coli_xlay *l,
+                           float *y, coli_ix r0, coli_ix r1, coli_ix O, coli_ix cols, coli_ix gs)
+{
+    coli_ix ng = (cols + gs - 1) / gs, nb = (cols + 1) / 2;
+    if (i8)
+        coli_q4i8_rows(w, s, l->xq, l->xd, l->xc, y, r0, r1, 1, O, nb, ng, gs);
+    else
+        coli_q4_rows(lv, w, s, l->xp, l->gi, y, NULL, r0, r1, 1, O, nb, ng, gs);
+}
+
 /* Floats of scratch coli_attention_block needs at S cache positions (64-byte aligned pieces);
  * half: a float16 cache (nt threads widen it into buffers of their own). */
 static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S, int half, int nt)
 {
-    coli_ix gs = W->gs, HD = W->H * W->D, gst = coli_q4_gstride(gs);
-    coli_ix ng1 = (W->hidden + gs - 1) / gs, ng2 = (HD + gs - 1) / gs;
-    return (size_t)(coli_up16(W->hidden) * 2 + coli_up16(ng1 * gs) + coli_up16(ng1 * gst)
-                    + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD) + coli_up16(ng2 * gs)
-                    + coli_up16(ng2 * gst) + coli_up16(W->H * S) + 2 * coli_up16(W->E)
+    coli_ix HD = W->H * W->D;
+    coli_xlay l;
+    return (size_t)(coli_up16(W->hidden) * 2 + coli_xlay_carve(NULL, W->hidden, W->gs, &l)
+                    + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD)
+                    + coli_xlay_carve(NULL, HD, W->gs, &l) + coli_up16(W->H * S) + 2 * coli_up16(W->E)
                     + (half ? (coli_ix)nt * COLI_KV_CHUNK * W->D : 0));
 }
 
@@ -92,22 +138,22 @@ static void coli_attend_block_head(const float *q, const void *K, const void *V,
  * lo..pos. cs / sn: the rotary cos / sin of pos [D]. work: coli_attention_block_floats(W, pos + 1)
  * floats, 64-byte aligned. level: qkern.h's SIMD level. half: K / V are float16 (uint16_t; ks / vs
  * in halves): this position's key and value are rounded as numpy's astype(float16) does, and
- * attention widens the cache exactly (coli_attend_head_h). */
+ * attention widens the cache exactly (coli_attend_head_h). i8: the products take the opt-in
+ * int8-activation path (qkern.h coli_q4i8_*; callers check coli_q4i8_ok). */
 static void coli_attention_block(const coli_attn_w *W, const float *x, const float *cs,
                                  const float *sn, void *K, void *V, coli_ix ks, coli_ix vs, int half,
                                  coli_ix pos, coli_ix lo, float scale, float *out, float *h,
-                                 int64_t *top, float *wts, int nt, int level, float *work)
+                                 int64_t *top, float *wts, int nt, int level, int i8,
+                                 float *work)
 {
     const coli_ix H = W->H, KV = W->KV, D = W->D, HD = H * D, gs = W->gs, hid = W->hidden;
-    const coli_ix gst = coli_q4_gstride(gs), S = pos + 1, n = S - lo, G = H / KV;
-    const coli_ix ng1 = (hid + gs - 1) / gs, ng2 = (HD + gs - 1) / gs;
-    const coli_ix nb1 = (hid + 1) / 2, nb2 = (HD + 1) / 2;
+    const coli_ix S = pos + 1, n = S - lo, G = H / KV;
     const int lv = coli_q4_level(level, gs), cb = coli_q4_cb(level, gs);
     const int avx2 = coli_ops_avx2(level, D);
-    float *hn = work, *yo = hn + coli_up16(hid), *xp1 = yo + coli_up16(hid);
-    float *gi1 = xp1 + coli_up16(ng1 * gs), *qkv = gi1 + coli_up16(ng1 * gst);
-    float *att = qkv + coli_up16(HD + 2 * KV * D), *xp2 = att + coli_up16(HD);
-    float *gi2 = xp2 + coli_up16(ng2 * gs), *p = gi2 + coli_up16(ng2 * gst);
+    coli_xlay in1, in2;     /* the inputs of q/k/v (the normed x) and of o (the attention) */
+    float *hn = work, *yo = hn + coli_up16(hid), *l1 = yo + coli_up16(hid);
+    float *qkv = l1 + coli_xlay_carve(l1, hid, gs, &in1), *att = qkv + coli_up16(HD + 2 * KV * D);
+    float *l2 = att + coli_up16(HD), *p = l2 + coli_xlay_carve(l2, HD, gs, &in2);
     float *logits = p + coli_up16(H * S), *probs = logits + coli_up16(W->E);
     float *wide = probs + coli_up16(W->E);     /* half: COLI_KV_CHUNK * D floats per thread */
     float *q = qkv, *k = qkv + HD, *v = k + KV * D;
@@ -131,7 +177,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     heads_apart = nt > 1 && n * H * D >= (coli_ix)1 << 18;
 
     coli_rms_norm(x, W->in_norm, hn, 1, hid, W->eps);
-    coli_q4_prep(cb, hn, 1, hid, gs, ng1, xp1, gi1);
+    coli_xlay_prep(i8, cb, hn, hid, gs, &in1);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt) if (nt > 1)
 #endif
@@ -143,8 +189,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
         for (b = 0; b < nblk1; b++) {
             int mm = b >= first[2] ? 2 : b >= first[1] ? 1 : 0;
             coli_ix r0 = (b - first[mm]) * rb1, r1 = r0 + rb1 < Os[mm] ? r0 + rb1 : Os[mm];
-            coli_q4_rows(lv, W->w[mm], W->s[mm], xp1, gi1, ys[mm], NULL, r0, r1, 1, Os[mm], nb1,
-                         ng1, gs);
+            coli_xlay_rows(i8, lv, W->w[mm], W->s[mm], &in1, ys[mm], r0, r1, Os[mm], hid, gs);
         }
 #ifdef _OPENMP
 #pragma omp single
@@ -185,7 +230,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
                 for (h = 0; h < H; h++)
                     coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
                                            wide, att, avx2);
-                coli_q4_prep(cb, att, 1, HD, gs, ng2, xp2, gi2);
+                coli_xlay_prep(i8, cb, att, HD, gs, &in2);
             }
         }
         if (heads_apart) {
@@ -199,14 +244,14 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
 #ifdef _OPENMP
 #pragma omp single
 #endif
-            coli_q4_prep(cb, att, 1, HD, gs, ng2, xp2, gi2);
+            coli_xlay_prep(i8, cb, att, HD, gs, &in2);
         }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic)
 #endif
         for (b = 0; b < nblk2; b++) {
             coli_ix r0 = b * rb2, r1 = r0 + rb2 < hid ? r0 + rb2 : hid;
-            coli_q4_rows(lv, W->w[3], W->s[3], xp2, gi2, yo, NULL, r0, r1, 1, hid, nb2, ng2, gs);
+            coli_xlay_rows(i8, lv, W->w[3], W->s[3], &in2, yo, r0, r1, hid, HD, gs);
         }
     }
     for (i = 0; i < hid; i++)

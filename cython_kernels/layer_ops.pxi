@@ -201,7 +201,7 @@ cdef extern from "attention_block.h":
                               const float* sn, void* K, void* V, Py_ssize_t ks, Py_ssize_t vs,
                               int half,
                               Py_ssize_t pos, Py_ssize_t lo, float scale, float* out, float* h,
-                              int64_t* top, float* wts, int nt, int level,
+                              int64_t* top, float* wts, int nt, int level, int i8,
                               float* work) noexcept nogil
 
 
@@ -218,7 +218,8 @@ cdef const float* _vec_ptr(object a, Py_ssize_t n, str name) except? NULL:
 cdef class AttentionBlock:
     """A layer's attention block for one decode position as one compiled call
     (attention_block.h): x [1, hidden] -> x + o(attention(...)), writing this position's key
-    and value into the layer's float32 cache; with a router, also the MoE block's input (the
+    and value into the layer's float32 or float16 cache (the products take the opt-in int8
+    activations when they are on, as q4_matmul does); with a router, also the MoE block's input (the
     post-attention norm) and its top-k. The same bits as the separate calls (rms_norm,
     q4_matmul_many, the biases / q-k norms / clip, rope_, attend_one, q4_matmul, the residual
     add, rms_norm, router_logits, softmax_topk). Built once per layer; each argument array is
@@ -351,6 +352,7 @@ cdef class AttentionBlock:
                                  ks, vs, half, pos,
                                  lo, scale, &ov[0, 0], &hv[0, 0] if routed else NULL,
                                  &tv[0, 0] if routed else NULL, &wv[0, 0] if routed else NULL,
-                                 nt, _level, work)
+                                 nt, _level, _int8_act and coli_q4i8_ok(_level, self.w.gs),
+                                 work)
         _afree(work)
         return (out, h, top, wts) if routed else out

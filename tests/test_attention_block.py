@@ -91,8 +91,9 @@ def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
     block, routed = _block(L, s), _block(L, s, router=True)
     assert block is not None and routed is not None
     lo = max(0, n - window + 1) if window else 0
-    for simd in qm.simd_variants():
+    for simd, i8 in [(v, False) for v in qm.simd_variants()] + [(qm.simd_variants()[-1], True)]:
         qm.set_simd(simd)
+        qm.set_int8_activations(i8)     # the opt-in int8-activation products, on both paths
         ref = KVCache(s, dtype=kv)      # the step-by-step path with this variant's products
         ref.k, ref.v, ref.length = [before.k[0].copy()], [before.v[0].copy()], n
         want = x + Engine._attention(eng, 0, L, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps),
@@ -101,7 +102,7 @@ def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
             qm.set_num_threads(threads)
             k, v = before.k[0].copy(), before.v[0].copy()
             got = block(x, cos, sin, k, v, n, lo, scale)
-            np.testing.assert_array_equal(got, want, err_msg=f"{simd}, {threads} threads")
+            np.testing.assert_array_equal(got, want, err_msg=f"{simd}, int8 {i8}, {threads} threads")
             np.testing.assert_array_equal(k[:, : n + 1], ref.k[0][:, : n + 1])
             np.testing.assert_array_equal(v[:, : n + 1], ref.v[0][:, : n + 1])
         got, h, top, weights = routed(x, cos, sin, before.k[0].copy(), before.v[0].copy(), n, lo,
@@ -147,8 +148,10 @@ def test_block_rejects_what_does_not_fit():
 def test_engine_decodes_the_same_with_and_without_the_block(containers):
     from models import open_model
     from tests.conftest import oracle_names
-    for name, kv in zip(oracle_names(), ["float32", "float16"] * len(oracle_names())):
+    kinds = [("float32", False), ("float16", False), ("float32", True)] * len(oracle_names())
+    for name, (kv, i8) in zip(oracle_names(), kinds):
         engine = open_model(containers(name, 4), threads=2, kv_cache=kv)
+        kernels.set_int8_activations(i8)
         assert any(L.attention_block is not None for L in engine.layers)
         runs = []
         for fused in (True, False):
@@ -159,7 +162,7 @@ def test_engine_decodes_the_same_with_and_without_the_block(containers):
                 out.append(engine.forward([t], cache))
             runs.append(np.concatenate(out))
             engine.recycle_cache(cache)
-        np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{name}, {kv} cache")
+        np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{name}, {kv} cache, int8 {i8}")
 
 
 def test_float16_rounding_of_a_new_cache_row_is_numpys():
