@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
                                 [--prefill 512] [--no-torch] [--layers N]
-                                [--kv-cache float32|float16] [--int8-activations]
+                                [--kv-cache float32|float16] [--int8-activations] [--repeats 1]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
 DIR, default /work/bench_models/olmoe-geom, and kept), opens it with every expert allowed in RAM
@@ -18,6 +18,12 @@ each run in a fresh process, and prints decode tok/s next to the bandwidth bound
 Each run (a fresh process per thread count) first decodes the same prompt once to load the
 experts it routes to into RAM, then decodes again, timed: the figures are that second run's
 decode steps (its Stats: decode tok/s, and attention / experts / lm_head seconds).
+
+``--repeats N`` (default 1) runs the decode measurement N times per thread count, the thread
+counts alternating and the bandwidth measured right before and after each run (the best of the
+two is that run's bound), and reports the medians and the range of the per-run ratios: on a
+machine whose speed drifts (the project's 2-core VM moves 10-40 % within minutes) one run's ratio
+moves by +-0.1, the median of interleaved runs much less. Prefill and PyTorch run once.
 
 Prefill (``--prefill T``, default 512, 0 skips): the same process then loads every expert, and
 times one forward pass over a T-token random prompt with a fresh KV cache -> prefill tok/s and
@@ -49,6 +55,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -388,6 +395,8 @@ def main(argv=None) -> int:
                     help="our engine with the opt-in int8-activation kernels (llama.cpp's Q4_0 x Q8_0 kind)")
     ap.add_argument("--kv-cache", choices=KV_CACHES, default="float32",
                     help="our engine's KV cache precision (float16: the opt-in half-precision cache)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="decode runs per thread count, interleaved; medians reported (default 1)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ref", type=Path, default=None, help=argparse.SUPPRESS)
@@ -434,16 +443,23 @@ def bench(a, path: Path, tmp: Path) -> int:
     if a.layers:
         print(f"(--layers {a.layers}: the first {a.layers} layers only)")
     threads = [int(v) for v in a.threads.split(",")]
+    if a.repeats < 1:
+        print("--repeats must be >= 1", file=sys.stderr)
+        return 2
     ref = tmp / "engine_ref.npz"
-    rows = []
-    for t in threads:
-        bw = ram_read_gbps(t)
-        res = run_child(a, t, ref if not rows else None)
-        bw = max(bw, ram_read_gbps(t))
-        if "error" in res:
-            print(f"threads {t}: FAILED: {res['error']}")
-            continue
-        rows.append((t, res, bw, bw * 1e9 / touched))
+    rows, runs = [], {t: [] for t in threads}
+    for rep in range(a.repeats):
+        later = argparse.Namespace(**{**vars(a), "prefill": 0}) if rep else a    # prefill once
+        for t in threads:
+            bw = ram_read_gbps(t)
+            res = run_child(later, t, ref if not rows and not rep else None)
+            bw = max(bw, ram_read_gbps(t))
+            if "error" in res:
+                print(f"threads {t}: FAILED: {res['error']}")
+                continue
+            runs[t].append((res["tok_s"], bw))
+            if not rep:
+                rows.append((t, res, bw, bw * 1e9 / touched))
     print(f"\n{'threads':>7} {'tok/s':>7} {'RAM GB/s':>9} {'bound tok/s':>12} {'ratio':>6} "
           f"{'eff. GB/s':>9} {'attn ms':>8} {'experts ms':>10} {'lm_head ms':>10} {'other ms':>9}")
     for t, r, bw, bound in rows:
@@ -454,6 +470,17 @@ def bench(a, path: Path, tmp: Path) -> int:
               f"{step - sum(parts):9.1f}")
     print("(second run's decode steps, experts resident; eff. GB/s = tok/s x bytes touched per "
           "token; per-step ms from the engine's Stats, 'other' = the rest of a step)")
+    if a.repeats > 1:
+        print(f"\n{'threads':>7} {'runs':>4} {'median tok/s':>12} {'median RAM GB/s':>15} "
+              f"{'median ratio':>12} {'ratios (run order)':>s}")
+        for t in threads:
+            ratios = [tok * touched / (bw * 1e9) for tok, bw in runs[t]]
+            if ratios:
+                print(f"{t:7d} {len(ratios):4d} {statistics.median(r[0] for r in runs[t]):12.2f} "
+                      f"{statistics.median(r[1] for r in runs[t]):15.1f} "
+                      f"{statistics.median(ratios):12.2f} {' '.join(f'{r:.2f}' for r in ratios)}")
+        print("(each run's ratio against the bandwidth measured around it; thread counts "
+              "alternate between runs)")
 
     tres = None
     if a.no_torch:

@@ -10,3 +10,19 @@ def test_llamacpp_side_by_side_runs_our_engine(containers):
     r = our_bench(containers(oracle_names()[0], 4), threads=1, prompt=6, gen=4)
     assert "error" not in r, r
     assert r["tg"] > 0 and r["pp"] > 0
+
+
+def test_decode_benchmark_repeats_report_medians(containers, tmp_path, capsys):
+    import argparse
+
+    from benchmarks.decode import bench
+    path = containers(oracle_names()[0], 4)
+    a = argparse.Namespace(dir=path, tokens=3, prompt_len=4, seed=0, threads="1,2", prefill=0,
+                           no_torch=True, layers=0, int8_activations=False, kv_cache="float32",
+                           repeats=2)
+    assert bench(a, path, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out
+    lines = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit() and len(l.split()) == 7]
+    assert [l[:2] for l in lines] == [["1", "2"], ["2", "2"]]      # threads, runs
+    assert all(float(l[2]) > 0 and float(l[3]) > 0 for l in lines)   # tok/s, GB/s
