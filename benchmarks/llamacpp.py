@@ -184,12 +184,16 @@ def our_touched_bytes(path: Path) -> int:
             + emb // max(1, geo["vocab_size"]))
 
 
-def our_bench(path: Path, threads: int, prompt: int, gen: int) -> dict:
-    """decode.py's child in a fresh process: {'pp', 'tg'} tok/s."""
+OURS, OURS_INT8 = "int4-g64 (ours)", "int4-g64 x int8 act (ours)"
+
+
+def our_bench(path: Path, threads: int, prompt: int, gen: int, int8: bool = False) -> dict:
+    """decode.py's child in a fresh process: {'pp', 'tg'} tok/s (int8: the opt-in int8
+    activations, the precision class of llama.cpp's Q4_0 x Q8_0 products)."""
     from benchmarks.decode import run_child
 
     a = argparse.Namespace(dir=path, tokens=gen, prompt_len=8, seed=0, prefill=prompt,
-                           int8_activations=False, kv_cache="float32")
+                           int8_activations=int8, kv_cache="float32")
     r = run_child(a, threads)
     if "error" in r:
         return {"error": f"our engine failed: {r['error']}"}
@@ -231,7 +235,8 @@ def measure(a, ggufs: list[dict], ours: Path) -> tuple[dict, dict]:
     """results[(engine, label, threads)] = [per-round dicts]; bandwidth[threads] = best GB/s."""
     from benchmarks.common import ram_read_gbps
 
-    jobs = [("ours", None)] + [("llama.cpp", g) for g in ggufs]
+    jobs = [("ours", None)] + ([("ours", "int8")] if a.int8_activations else []) \
+        + [("llama.cpp", g) for g in ggufs]
     results, bandwidth = {}, {}
     for rnd in range(a.rounds):
         for t in a.threads_list:
@@ -239,15 +244,15 @@ def measure(a, ggufs: list[dict], ours: Path) -> tuple[dict, dict]:
                 bandwidth[t] = max(bandwidth.get(t, 0.0), ram_read_gbps(t))
             for engine, g in (jobs if rnd % 2 == 0 else jobs[::-1]):    # flip order: drift cancels
                 with locked(a.lock):
-                    if g is None:
-                        r = our_bench(ours, t, a.prompt, a.gen)
+                    if engine == "ours":
+                        r = our_bench(ours, t, a.prompt, a.gen, int8=g == "int8")
                     else:
                         r = llama_bench(a.llama_bench, g["path"], t, a.prompt, a.gen, a.reps)
-                label = "int4-g64 (ours)" if g is None else g["path"].name
+                label = OURS if g is None else OURS_INT8 if g == "int8" else g["path"].name
                 log(f"round {rnd + 1} threads {t} {engine:9s} {label}: {r}")
                 if "error" in r:
                     raise fail(r["error"])
-                if g is not None:
+                if engine == "llama.cpp":
                     g["model_type"] = r["model_type"]
                 results.setdefault((engine, label, t), []).append(r)
     return results, bandwidth
@@ -284,6 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=0, help="our model's vocabulary (default: the GGUF's)")
     ap.add_argument("--dir", type=Path, default=None, help="our container (default: beside decode.py's)")
     ap.add_argument("--lock", type=Path, default=None, help="flock this file around each timed run")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="also time our engine with the opt-in int8 activations")
     a = ap.parse_args(argv)
     check_inputs(a)
 
@@ -298,8 +305,8 @@ def main(argv=None) -> int:
     if layers < 1 or vocab < 1:
         raise fail(f"{a.gguf[0]}: no layer count / vocabulary found; give --layers and --vocab")
     ours = our_container(a.dir, layers, vocab)
-    touched["int4-g64 (ours)"] = our_touched_bytes(ours)
-    log(f"ours: {layers} layers, vocab {vocab}, {touched['int4-g64 (ours)'] / 1e6:.1f} MB per decoded token")
+    touched[OURS] = touched[OURS_INT8] = our_touched_bytes(ours)
+    log(f"ours: {layers} layers, vocab {vocab}, {touched[OURS] / 1e6:.1f} MB per decoded token")
 
     results, bandwidth = measure(a, ggufs, ours)
     build = next((r[0].get("build") for (e, _, _), r in results.items() if e == "llama.cpp"), "?")

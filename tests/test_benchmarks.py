@@ -7,9 +7,10 @@ from tests.conftest import oracle_names
 
 def test_llamacpp_side_by_side_runs_our_engine(containers):
     from benchmarks.llamacpp import our_bench
-    r = our_bench(containers(oracle_names()[0], 4), threads=1, prompt=6, gen=4)
-    assert "error" not in r, r
-    assert r["tg"] > 0 and r["pp"] > 0
+    for int8 in (False, True):
+        r = our_bench(containers(oracle_names()[0], 4), threads=1, prompt=6, gen=4, int8=int8)
+        assert "error" not in r, r
+        assert r["tg"] > 0 and r["pp"] > 0
 
 
 def test_decode_benchmark_repeats_report_medians(containers, tmp_path, capsys):
