@@ -102,7 +102,8 @@ static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S, int h
     coli_xlay l;
     return (size_t)(coli_up16(W->hidden) * 2 + coli_xlay_carve(NULL, W->hidden, W->gs, &l)
                     + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD)
-                    + coli_xlay_carve(NULL, HD, W->gs, &l) + coli_up16(W->H * S) + 2 * coli_up16(W->E)
+                    + coli_xlay_carve(NULL, HD, W->gs, &l) + coli_up16(W->H * S)
+                    + 2 * coli_up16(W->E)
                     + (half ? (coli_ix)nt * COLI_KV_CHUNK * W->D : 0));
 }
 
@@ -133,17 +134,18 @@ static void coli_attend_block_head(const float *q, const void *K, const void *V,
 }
 
 /* x [hidden] -> out [hidden]; with a router also h [hidden] (the post-attention norm of out),
- * top [top_k] and wts [top_k] (coli_softmax_topk's). K / V: the layer's cache, kv head g's positions at K + g * ks (rows
- * of D floats); this position's key and value are written at row pos, and attention reads rows
- * lo..pos. cs / sn: the rotary cos / sin of pos [D]. work: coli_attention_block_floats(W, pos + 1)
- * floats, 64-byte aligned. level: qkern.h's SIMD level. half: K / V are float16 (uint16_t; ks / vs
+ * top [top_k] and wts [top_k] (coli_softmax_topk's). K / V: the layer's cache, kv head g's
+ * positions at K + g * ks (rows of D values); this position's key and value are written at row
+ * pos, and attention reads rows lo..pos. cs / sn: the rotary cos / sin of pos [D]. work:
+ * coli_attention_block_floats(W, pos + 1, half, nt) floats, 64-byte aligned. nt: threads (at
+ * most). level: qkern.h's SIMD level. half: K / V are float16 (uint16_t; ks / vs
  * in halves): this position's key and value are rounded as numpy's astype(float16) does, and
  * attention widens the cache exactly (coli_attend_head_h). i8: the products take the opt-in
  * int8-activation path (qkern.h coli_q4i8_*; callers check coli_q4i8_ok). */
 static void coli_attention_block(const coli_attn_w *W, const float *x, const float *cs,
-                                 const float *sn, void *K, void *V, coli_ix ks, coli_ix vs, int half,
-                                 coli_ix pos, coli_ix lo, float scale, float *out, float *h,
-                                 int64_t *top, float *wts, int nt, int level, int i8,
+                                 const float *sn, void *K, void *V, coli_ix ks, coli_ix vs,
+                                 int half, coli_ix pos, coli_ix lo, float scale, float *out,
+                                 float *h, int64_t *top, float *wts, int nt, int level, int i8,
                                  float *work)
 {
     const coli_ix H = W->H, KV = W->KV, D = W->D, HD = H * D, gs = W->gs, hid = W->hidden;

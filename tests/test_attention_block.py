@@ -2,8 +2,9 @@
 step-by-step path it replaces (Engine._attention's operations and the residual add): the same
 bits of the output and of the key / value written into the cache, for every q/k norm kind, with
 biases and clipping, grouped-query heads, a sliding window, a context long enough to split the
-heads between threads, every SIMD variant and several thread counts; and the MoE router it can
-end with (post-attention norm, logits, softmax top-k)."""
+heads between threads, float32 and float16 caches, every SIMD variant, the opt-in int8
+activations and several thread counts; and the MoE router it can end with (post-attention norm,
+logits, softmax top-k)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
