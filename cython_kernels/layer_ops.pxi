@@ -48,53 +48,49 @@ def rope_(float[:, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin):
             coli_rope(&x[0, 0, 0], &cos[0, 0], &sin[0, 0], T, H, D)
 
 
-def attend_one(const float[:, ::1] q, const float[:, :, :] keys, const float[:, :, :] values,
-               float scale, Py_ssize_t lo):
-    """Attention of one query position: q [heads, D] against the cache keys / values
-    [kv_heads, S, D] (each head's rows contiguous, any stride between heads) at positions lo..S-1; returns
-    [1, heads * D]."""
-    cdef Py_ssize_t H = q.shape[0], D = q.shape[1], KV = keys.shape[0], S = keys.shape[1]
+cdef object _attend(const float[:, ::1] q, const void* K, const void* V, Py_ssize_t* kshape,
+                    Py_ssize_t* vshape, Py_ssize_t* kstrides, Py_ssize_t* vstrides, Py_ssize_t item,
+                    float scale, Py_ssize_t lo, int half, str name):
+    """attend_one / attend_one_f16 after their typed arguments: the checks and the call for a
+    cache of `item`-byte values (K / V: the first key / value, NULL when S == 0)."""
+    cdef Py_ssize_t H = q.shape[0], D = q.shape[1], KV = kshape[0], S = kshape[1]
     cdef int nt = get_num_threads(), rc = 0
-    if (keys.shape[2] != D or values.shape[0] != KV or values.shape[1] != S
-            or values.shape[2] != D or KV == 0 or H % KV or not 0 <= lo <= S
-            or keys.strides[1] != D * 4 or values.strides[1] != D * 4
-            or keys.strides[2] != 4 or values.strides[2] != 4):
-        raise ValueError("attend_one: shapes of q, keys and values do not match")
+    if (kshape[2] != D or vshape[0] != KV or vshape[1] != S
+            or vshape[2] != D or KV == 0 or H % KV or not 0 <= lo <= S
+            or kstrides[1] != D * item or vstrides[1] != D * item
+            or kstrides[2] != item or vstrides[2] != item):
+        raise ValueError(f"{name}: shapes of q, keys and values do not match")
     out = np.empty((1, H * D), np.float32)
     cdef float[:, ::1] ov = out
-    cdef Py_ssize_t ks = keys.strides[0] // 4, vs = values.strides[0] // 4
+    cdef Py_ssize_t ks = kstrides[0] // item, vs = vstrides[0] // item
     if H and D:
         with nogil:
-            rc = coli_attend_one(&q[0, 0], &keys[0, 0, 0] if S else NULL,
-                                 &values[0, 0, 0] if S else NULL, ks, vs, &ov[0, 0], H, KV, D,
-                                 lo, S, scale, nt, _level, 0)
+            rc = coli_attend_one(&q[0, 0], K, V, ks, vs, &ov[0, 0], H, KV, D, lo, S, scale, nt,
+                                 _level, half)
     if rc:
         raise MemoryError()
     return out
+
+
+def attend_one(const float[:, ::1] q, const float[:, :, :] keys, const float[:, :, :] values,
+               float scale, Py_ssize_t lo):
+    """Attention of one query position: q [heads, D] against the cache keys / values
+    [kv_heads, S, D] (each head's rows contiguous, any stride between heads) at positions
+    lo..S-1; returns [1, heads * D]."""
+    cdef bint S = keys.shape[1] > 0
+    return _attend(q, &keys[0, 0, 0] if S else NULL, &values[0, 0, 0] if S else NULL,
+                   keys.shape, values.shape, keys.strides, values.strides, 4, scale, lo, 0,
+                   "attend_one")
 
 
 def attend_one_f16(const float[:, ::1] q, const uint16_t[:, :, :] keys,
                    const uint16_t[:, :, :] values, float scale, Py_ssize_t lo):
     """attend_one over a float16 KV cache (keys / values: float16 arrays viewed as uint16): the
     bits of attend_one over the same values widened to float32."""
-    cdef Py_ssize_t H = q.shape[0], D = q.shape[1], KV = keys.shape[0], S = keys.shape[1]
-    cdef int nt = get_num_threads(), rc = 0
-    if (keys.shape[2] != D or values.shape[0] != KV or values.shape[1] != S
-            or values.shape[2] != D or KV == 0 or H % KV or not 0 <= lo <= S
-            or keys.strides[1] != D * 2 or values.strides[1] != D * 2
-            or keys.strides[2] != 2 or values.strides[2] != 2):
-        raise ValueError("attend_one_f16: shapes of q, keys and values do not match")
-    out = np.empty((1, H * D), np.float32)
-    cdef float[:, ::1] ov = out
-    cdef Py_ssize_t ks = keys.strides[0] // 2, vs = values.strides[0] // 2
-    if H and D:
-        with nogil:
-            rc = coli_attend_one(&q[0, 0], &keys[0, 0, 0] if S else NULL,
-                                 &values[0, 0, 0] if S else NULL, ks, vs, &ov[0, 0], H, KV, D,
-                                 lo, S, scale, nt, _level, 1)
-    if rc:
-        raise MemoryError()
-    return out
+    cdef bint S = keys.shape[1] > 0
+    return _attend(q, &keys[0, 0, 0] if S else NULL, &values[0, 0, 0] if S else NULL,
+                   keys.shape, values.shape, keys.strides, values.strides, 2, scale, lo, 1,
+                   "attend_one_f16")
 
 
 def f16_to_f32(const uint16_t[::1] h, str path="auto"):
