@@ -301,10 +301,12 @@ class Engine:
             routed = None
             if block and L.attention_block is not None:
                 cache.ensure(i, cache.length + 1)
-                lo = max(0, cache.length - L.window + 1) if L.window is not None else 0
-                x = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length, lo, self.scale)
-                if L.kind == "moe":
-                    x, h, *routed = x
+                out = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length,
+                                        kernels.window_start(cache.length, L.window), self.scale)
+                if L.kind == "moe":      # the block ran the router too
+                    x, h, *routed = out
+                else:
+                    x = out
             else:
                 x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
             t1 = time.perf_counter()

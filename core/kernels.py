@@ -295,6 +295,11 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
+def window_start(pos: int, window: int | None) -> int:
+    """The first cache position a query at ``pos`` attends to (a sliding window, or 0)."""
+    return max(0, pos - window + 1) if window is not None else 0
+
+
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.float32,
               pos: np.ndarray, window: int | None) -> np.ndarray:
     """Causal attention (optionally a sliding window) of q [T, heads, D] at positions pos against
@@ -303,7 +308,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
     T, H, D = q.shape
     KV = keys.shape[0]
     if T == 1 and _compiled is not None:
-        lo = max(0, int(pos[0]) - window + 1) if window is not None else 0
+        lo = window_start(int(pos[0]), window)
         q1 = np.ascontiguousarray(q[0], dtype=np.float32)
         if keys.dtype == np.float16:       # an opt-in float16 cache: widened in the kernel
             return _compiled.attend_one_f16(q1, keys.view(np.uint16), values.view(np.uint16),
