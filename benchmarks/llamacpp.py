@@ -190,10 +190,10 @@ OURS, OURS_INT8 = "int4-g64 (ours)", "int4-g64 x int8 act (ours)"
 def our_bench(path: Path, threads: int, prompt: int, gen: int, int8: bool = False) -> dict:
     """decode.py's child in a fresh process: {'pp', 'tg'} tok/s (int8: the opt-in int8
     activations, the precision class of llama.cpp's Q4_0 x Q8_0 products)."""
-    from benchmarks.decode import run_child
+    from benchmarks.decode import build_parser, run_child
 
-    a = argparse.Namespace(dir=path, tokens=gen, prompt_len=8, seed=0, prefill=prompt,
-                           int8_activations=int8, kv_cache="float32")
+    a = build_parser().parse_args([])       # decode.py's defaults for every option it has
+    a.dir, a.tokens, a.prompt_len, a.prefill, a.int8_activations = path, gen, 8, prompt, int8
     r = run_child(a, threads)
     if "error" in r:
         return {"error": f"our engine failed: {r['error']}"}
