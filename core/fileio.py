@@ -1,4 +1,13 @@
-"""Positioned reads and writes that work on every OS (os.pread/pwrite are POSIX-only)."""
+"""Positioned reads and writes that work on every OS (os.pread/preadv/pwrite are POSIX-only).
+
+Reads, by what the platform has (``READ_PATH`` names the one in use):
+
+* ``preadv``: Python's ``os.preadv`` (Linux, macOS, BSD); releases the GIL;
+* ``compiled``: ``cython_kernels.qmatmul.pread_into`` (``fileio.h``: ``pread`` on POSIX, ``ReadFile``
+  with an OVERLAPPED offset on Windows), also without the GIL and without a shared file pointer,
+  so the expert store's I/O threads read in parallel on Windows too;
+* ``seek``: seek + read under a lock, only if the compiled kernels are missing (a broken build).
+"""
 from __future__ import annotations
 
 import os
@@ -8,30 +17,54 @@ from pathlib import Path
 
 from .errors import ColiError
 
-_HAVE_PREAD = hasattr(os, "preadv") and hasattr(os, "pwrite")
+_preadv = getattr(os, "preadv", None)
+_compiled_pread = None
+if _preadv is None:
+    try:
+        from cython_kernels.qmatmul import pread_into as _compiled_pread
+    except ImportError:  # pragma: no cover - a broken build; the seek path still works
+        _compiled_pread = None
+READ_PATH = "preadv" if _preadv is not None else "compiled" if _compiled_pread is not None else "seek"
+_HAVE_PWRITE = hasattr(os, "pwrite")
 _seek_lock = threading.Lock()
 
 
-def pread_into(f, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from ``offset``; returns bytes read (short only at end of file)."""
+def _seek_read(fd: int, view: memoryview, offset: int) -> int:
+    with _seek_lock:
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = os.read(fd, len(view))
+    view[: len(data)] = data
+    return len(data)
+
+
+def read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` (writable, bytes) from byte ``offset`` of descriptor ``fd``; returns the bytes
+    read, fewer than ``len(view)`` only at end of file. OSError as the OS reports it."""
+    view = memoryview(view).cast("B")
     got = 0
     while got < len(view):
-        if _HAVE_PREAD:
-            k = os.preadv(f.fileno(), [view[got:]], offset + got)
-        else:  # Windows: seek + readinto under a lock
-            with _seek_lock:
-                f.seek(offset + got)
-                k = f.readinto(view[got:])
+        rest = view[got:]
+        if _preadv is not None:
+            k = _preadv(fd, [rest], offset + got)
+        elif _compiled_pread is not None:
+            k = _compiled_pread(fd, rest, offset + got)
+        else:
+            k = _seek_read(fd, rest, offset + got)
         if not k:
             break
         got += k
     return got
 
 
+def pread_into(f, view: memoryview, offset: int) -> int:
+    """``read_at`` on an open file object."""
+    return read_at(f.fileno(), view, offset)
+
+
 def pwrite(f, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while len(view):
-        if _HAVE_PREAD:
+        if _HAVE_PWRITE:
             k = os.pwrite(f.fileno(), view, offset)
         else:
             with _seek_lock:

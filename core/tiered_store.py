@@ -4,8 +4,9 @@
   budget is a promise: nothing else grows with the model. Pinned experts (a hot set learned from
   the usage history) take slots first and are never evicted.
 * Disk tier: one positioned read per expert (its tensors are one contiguous byte range) straight
-  into a slot, in a thread pool (``os.preadv`` releases the GIL), optionally with ``O_DIRECT``
-  (aligned reads into aligned slots; falls back to buffered reads where the filesystem refuses).
+  into a slot, in a thread pool (``core.fileio.read_at``: positioned, without the GIL, on every
+  OS), optionally with ``O_DIRECT`` (aligned reads into aligned slots; falls back to buffered
+  reads where the filesystem refuses).
 * ``request(layer, ids)`` yields hits at once, then each miss as soon as its read completes, so
   the layer computes resident experts while the others load. When the request needs more experts
   than there are slots (``cap`` < top-k or a prefill batch-union), slots of experts the caller has
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .container import Container
 from .errors import ColiError
+from .fileio import read_at
 from .memory import anonymous_buffer
 from .planner import ALIGN, slot_bytes
 from .policies import LRU, Policy
@@ -131,18 +133,12 @@ class TieredStore(ExpertStore):
         return ExpertFFN.from_parts(self.container.expert_weights(layer, expert, slot.buf[head:head + n]), n)
 
     def _pread(self, fd: int, view: memoryview, offset: int) -> int:
-        got = 0
-        while got < len(view):
-            try:
-                k = os.preadv(fd, [view[got:]], offset + got)
-            except OSError as e:
-                if e.errno == errno.EINVAL and self.o_direct:
-                    raise ColiError("O_DIRECT read refused by the filesystem; run without --o-direct") from None
-                raise
-            if k == 0:
-                break
-            got += k
-        return got
+        try:
+            return read_at(fd, view, offset)     # positioned, without the GIL, on every OS
+        except OSError as e:
+            if e.errno == errno.EINVAL and self.o_direct:
+                raise ColiError("O_DIRECT read refused by the filesystem; run without --o-direct") from None
+            raise
 
     def _start(self, layer: int, expert: int, slot_index: int, prefetched: bool) -> _Slot:
         L = self.layers[layer]

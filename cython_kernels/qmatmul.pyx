@@ -732,3 +732,29 @@ _ONE = np.float32(1.0)
 
 # --- the per-layer operations around the products (rms_norm, rope_, attend_one, softmax_topk) ---
 include "layer_ops.pxi"
+
+
+# --- positioned reads without the GIL, on every OS (fileio.h; core.fileio picks it where Python's
+# os module has no preadv, i.e. on Windows) ---
+cdef extern from "fileio.h":
+    long long coli_pread(int fd, void* buf, long long n, long long offset, int* err) noexcept nogil
+
+
+def pread_into(int fd, unsigned char[::1] view, long long offset):
+    """Fill ``view`` from byte ``offset`` of the open descriptor ``fd``; returns the bytes read
+    (fewer than ``len(view)`` only at end of file). The GIL is released during the read. Raises
+    OSError on failure (with ``winerror`` set on Windows)."""
+    cdef int err = 0
+    cdef long long n = view.shape[0], got = 0
+    if offset < 0:
+        raise ValueError("negative offset")
+    if n == 0:
+        return 0
+    with nogil:
+        got = coli_pread(fd, &view[0], n, offset, &err)
+    if got < 0:
+        import os, sys
+        if sys.platform == "win32":
+            raise OSError(0, "ReadFile failed", None, err)   # winerror: Python maps it to errno
+        raise OSError(err, os.strerror(err))
+    return got
