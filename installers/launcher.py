@@ -10,6 +10,10 @@ Windows Explorer gives it a fresh console window that vanishes the moment the pr
   with ``COLI_RELAUNCHED=1`` in the child's environment so that it never reopens again;
 * no terminal emulator (or no display) -> a clear message on stderr and in a log file under the
   user log directory, exit status 1;
+* the reopened copy gets a clean environment (``child_environment``): a one-file binary's
+  bootloader leaves private ``_PYI_*`` variables and an ``LD_LIBRARY_PATH`` into its unpack folder
+  in our environment, and a copy that inherits them runs from that folder, which is deleted when we
+  exit (``Failed to execute script 'pyi_rth_pkgutil'``);
 * in a window we opened ourselves (or Windows' own console from a double-click) -> run the app and,
   if it fails or ends within a few seconds, keep the window open until Enter is pressed;
 * anything else (a terminal, a pipe, arguments) -> exactly ``coli`` (``colibri_tui.cli.main``).
@@ -47,6 +51,15 @@ LINUX_TERMINALS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # A run that ends sooner than this (help text, an early error) keeps its window open.
 FLASH_SECONDS = 3.0
+
+# PyInstaller (>= 6.10) documents this for starting an independent copy of a one-file program: its
+# bootloader then ignores the parent's unpack folder and unpacks afresh.
+RESET_ENVIRONMENT = "PYINSTALLER_RESET_ENVIRONMENT"
+# The bootloader's own variables (_MEIPASS2: PyInstaller < 6).
+PRIVATE_PREFIXES = ("_PYI_", "_MEIPASS")
+# Library search paths the bootloader points into its unpack folder; it keeps the user's value, if
+# there was one, in NAME_ORIG (LIBPATH: AIX).
+LIBRARY_PATHS = ("LD_LIBRARY_PATH", "DYLD_LIBRARY_PATH", "LIBPATH")
 
 
 def _truthy(value: str | None) -> bool:
@@ -185,6 +198,51 @@ def relaunch_command(kind: str, cmd: Sequence[str], env: Mapping[str, str],
     return [exe, *prefix, *guarded]
 
 
+def _inside(entry: str, folder: str, kind: str) -> bool:
+    if kind == "windows":
+        entry, folder = entry.lower().replace("/", "\\"), folder.lower().replace("/", "\\")
+    return folder in entry
+
+
+def _without_bundle(value: str, bundle_dir: str, kind: str) -> str | None:
+    """``value`` without its path-list entries inside the unpack folder; None when none is left."""
+    if not _inside(value, bundle_dir, kind):
+        return value
+    sep = ";" if kind == "windows" else ":"
+    kept = [e for e in value.split(sep) if not _inside(e, bundle_dir, kind)]
+    return sep.join(kept) if any(kept) else None
+
+
+def child_environment(env: Mapping[str, str], bundle_dir: str | None, kind: str) -> dict[str, str]:
+    """The environment for a fresh, independent copy of this program (and for the terminal
+    emulator that starts it, which passes its environment on).
+
+    ``bundle_dir`` is the one-file unpack folder (``sys._MEIPASS``) or None when not frozen. Drops
+    the bootloader's private variables, restores each library path from its ``_ORIG`` copy (or
+    drops it when the bootloader made it up), drops anything else that points into the unpack
+    folder (it is deleted when we exit), and asks the next bootloader for a reset."""
+    def norm(k: str) -> str:
+        return k.upper() if kind == "windows" else k   # Windows' variable names ignore case
+    saved = {norm(k)[:-len("_ORIG")]: k for k in env
+             if norm(k).endswith("_ORIG") and norm(k)[:-len("_ORIG")] in LIBRARY_PATHS}
+    out: dict[str, str] = {}
+    for k, v in env.items():
+        n = norm(k)
+        if n.startswith(PRIVATE_PREFIXES) or n == RESET_ENVIRONMENT or k in saved.values():
+            continue
+        if n in LIBRARY_PATHS and n in saved:
+            continue             # restored below
+        if bundle_dir:
+            v = _without_bundle(v, bundle_dir, kind)
+            if v is None:
+                continue
+        out[k] = v
+    for name, key in saved.items():
+        out[name] = env[key]     # the user's own value, as the bootloader saved it
+    out[RESET_ENVIRONMENT] = "1"
+    return out
+
+
 def log_path() -> Path:
     """launcher.log under the user log directory (platformdirs), or the temp dir without it."""
     try:
@@ -260,8 +318,9 @@ def windows_command_line(line: Sequence[str]) -> str:
 
 
 def relaunch(kind: str, cmd: Sequence[str], env: Mapping[str, str],
-             popen: Callable[..., object] = subprocess.Popen) -> int:
-    """Open the terminal window (without waiting for it). 0 on success, 1 with a message if not."""
+             popen: Callable[..., object] = subprocess.Popen, bundle_dir: str | None = None) -> int:
+    """Open the terminal window (without waiting for it). 0 on success, 1 with a message if not.
+    ``bundle_dir``: see ``child_environment``."""
     line = relaunch_command(kind, cmd, env)
     if line is None:
         message = no_terminal_message(kind, cmd, env)
@@ -269,7 +328,7 @@ def relaunch(kind: str, cmd: Sequence[str], env: Mapping[str, str],
         if kind == "linux":
             notify_desktop(message + (f"\n(also written to {log})" if log else ""), env)
         return 1
-    child_env = dict(env)
+    child_env = child_environment(env, bundle_dir, kind)
     child_env[GUARD] = "1"
     kwargs = {"env": child_env, "stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
               "stderr": subprocess.DEVNULL}
@@ -329,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         own = owns_console(windows_console_process_count(), bool(getattr(sys, "frozen", False)))
     d = decide(argv, env, stream_is_tty(sys.stdin), stream_is_tty(sys.stdout), kind, own)
     if d.action == "relaunch":
-        return relaunch(kind, self_command() + user_args(argv), env)
+        bundle = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
+        return relaunch(kind, self_command() + user_args(argv), env, bundle_dir=bundle)
     return run_cli(user_args(argv), d.hold)
 
 

@@ -185,6 +185,67 @@ def test_relaunch_spawns_with_guard_in_env(tmp_path):
     assert kw["env"][L.GUARD] == "1" and kw["start_new_session"] is True
 
 
+# What a one-file binary's bootloader leaves in our environment (PyInstaller 6.22 on Linux, read
+# from a real binary's relaunch: the emulator saw exactly these besides the user's own variables).
+MEI = "/tmp/_MEI0000abcdEF"
+FROZEN_ENV = {"HOME": "/home/me", "DISPLAY": ":0", "PATH": "/usr/bin:/bin",
+              "_PYI_ARCHIVE_FILE": "/opt/coli", "_PYI_APPLICATION_HOME_DIR": MEI,
+              "_PYI_PARENT_PROCESS_LEVEL": "1", "_PYI_LINUX_PROCESS_NAME": "coli-0.1.0-linu",
+              "LD_LIBRARY_PATH": MEI}
+
+
+def test_child_environment_drops_the_bootloaders_state():
+    env = L.child_environment(FROZEN_ENV, MEI, "linux")
+    assert env == {"HOME": "/home/me", "DISPLAY": ":0", "PATH": "/usr/bin:/bin",
+                   L.RESET_ENVIRONMENT: "1"}
+    # the input is left alone (it is os.environ in main)
+    assert FROZEN_ENV["_PYI_ARCHIVE_FILE"] == "/opt/coli"
+
+
+def test_child_environment_restores_the_users_library_path():
+    env = L.child_environment({**FROZEN_ENV, "LD_LIBRARY_PATH": f"{MEI}:/opt/cuda/lib64",
+                               "LD_LIBRARY_PATH_ORIG": "/opt/cuda/lib64"}, MEI, "linux")
+    assert env["LD_LIBRARY_PATH"] == "/opt/cuda/lib64" and "LD_LIBRARY_PATH_ORIG" not in env
+    # an empty value the user had is theirs too
+    env = L.child_environment({"LD_LIBRARY_PATH": MEI, "LD_LIBRARY_PATH_ORIG": ""}, MEI, "linux")
+    assert env["LD_LIBRARY_PATH"] == ""
+    # macOS: the bootloader may have cleared DYLD_LIBRARY_PATH and kept it aside
+    env = L.child_environment({"DYLD_LIBRARY_PATH_ORIG": "/opt/lib"}, "/var/T/_MEIx", "macos")
+    assert env == {"DYLD_LIBRARY_PATH": "/opt/lib", L.RESET_ENVIRONMENT: "1"}
+
+
+def test_child_environment_drops_what_points_into_the_unpack_folder():
+    env = L.child_environment({"PATH": f"/usr/bin:{MEI}/bin:/bin", "SSL_CERT_FILE": f"{MEI}/cacert.pem",
+                               "LANG": "C.UTF-8", "_MEIPASS2": MEI}, MEI, "linux")
+    assert env == {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", L.RESET_ENVIRONMENT: "1"}
+
+
+def test_child_environment_from_source_keeps_the_users_variables():
+    # not frozen: no unpack folder, and LD_LIBRARY_PATH is the user's own
+    env = L.child_environment({"LD_LIBRARY_PATH": "/opt/lib", "PATH": "/bin"}, None, "linux")
+    assert env == {"LD_LIBRARY_PATH": "/opt/lib", "PATH": "/bin", L.RESET_ENVIRONMENT: "1"}
+
+
+def test_child_environment_on_windows_ignores_case():
+    mei = r"C:\Users\me\AppData\Local\Temp\_MEI123"
+    env = L.child_environment({"Path": rf"C:\Windows;{mei.lower()}\lib", "_pyi_archive_file": "x",
+                               "PyInstaller_Reset_Environment": "0", "COMSPEC": "cmd.exe"},
+                              mei, "windows")
+    assert env == {"Path": r"C:\Windows", "COMSPEC": "cmd.exe", L.RESET_ENVIRONMENT: "1"}
+
+
+@pytest.mark.parametrize("kind", ["linux", "windows"])
+def test_relaunch_hands_the_terminal_a_clean_environment(tmp_path, kind):
+    path = _fake_bin(tmp_path / "bin", "xterm")
+    calls = []
+    rc = L.relaunch(kind, ["/opt/coli"], {**FROZEN_ENV, "PATH": path},
+                    popen=lambda line, **kw: calls.append(kw["env"]), bundle_dir=MEI)
+    assert rc == 0
+    env = calls[0]
+    assert not [k for k in env if k.startswith("_PYI_")] and "LD_LIBRARY_PATH" not in env
+    assert env[L.RESET_ENVIRONMENT] == "1" and env[L.GUARD] == "1" and env["HOME"] == "/home/me"
+
+
 def test_no_terminal_prints_and_logs(tmp_path, monkeypatch, capsys):
     log = tmp_path / "logs" / "launcher.log"
     monkeypatch.setattr(L, "log_path", lambda: log)
