@@ -20,7 +20,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ram-gb", type=float, default=None,
                    help="RAM for routed experts, in GB (default: $COLI_RAM_GB, the config, or automatic)")
     g.add_argument("--cap", type=int, default=None, help="at most N routed experts per layer in RAM")
-    p.add_argument("--policy", default=None, help="RAM cache policy: lru, lfru or pinned (default: the config)")
+    p.add_argument("--policy", default=None, help="RAM cache policy: lfru, lru, markov or pinned (default: the config, else lfru)")
     p.add_argument("--no-prefetch", action="store_true", default=None, help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", default=None, help="read experts with O_DIRECT")
     p.add_argument("--kv-cache", choices=KV_CACHES, default=None,
@@ -50,14 +50,19 @@ def engine_options(args) -> dict:
 
 def run_app(args) -> int:
     """Open the app; returns the exit code. Works for ``coli chat ...`` and for a bare ``coli``
-    (an argparse namespace without the chat flags)."""
-    if not sys.stdin.isatty() or not sys.stdout.isatty():
+    (an argparse namespace without the chat flags). ``COLI_SMOKE=1``: headless start and quit
+    (colibri_tui/smoke.py), for CI machines without a terminal."""
+    from . import smoke
+    if not smoke.requested() and (not sys.stdin.isatty() or not sys.stdout.isatty()):
         raise ColiError("coli chat needs a terminal (for scripts use `coli run`)")
     from .app import ColiApp
     from .settings import load
     settings = load()
-    ColiApp(model_path=getattr(args, "model", None), settings=settings,
-            engine_options=engine_options(args), setup_wizard=True).run()
+    app = ColiApp(model_path=getattr(args, "model", None), settings=settings,
+                  engine_options=engine_options(args), setup_wizard=True)
+    if smoke.requested():
+        return smoke.run(app)
+    app.run()
     return 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from core.arch import KV_CACHES
 from core.errors import ColiError
+from core.policies import POLICY_NAMES
 
 EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -52,9 +53,13 @@ def _add_model(p, store=True):
     g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"),
                    help="RAM for routed experts, in GB (default: automatic, or $COLI_RAM_GB)")
     g.add_argument("--cap", type=int, default=None, help="at most N routed experts per layer in RAM")
-    p.add_argument("--policy", default=None, help="RAM cache policy: lfru (default), lru, markov or pinned")
+    p.add_argument("--policy", default=None, choices=POLICY_NAMES, help=POLICY_HELP)
     p.add_argument("--no-prefetch", action="store_true", help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
+
+
+POLICY_HELP = ("RAM cache policy: lfru (default: recent and frequent), lru (least recently used), "
+               "markov (routing transitions; more memory) or pinned (hottest experts from the usage history)")
 
 
 def _env_float(name: str):
@@ -75,13 +80,24 @@ def _open(args):
                       o_direct=args.o_direct, kv_cache=args.kv_cache)
 
 
+def _epilog() -> str:
+    from .paths import config_path, data_dir, log_path
+    return (f"files:\n  config   {config_path()}  ($COLI_CONFIG_DIR moves it)\n"
+            f"  log      {log_path()}  ($COLI_LOG_DIR moves it)\n"
+            f"  data     {data_dir()}  (chats, models; $COLI_DATA_DIR moves it)\n"
+            "shell completion: coli completion bash|zsh|fish (see `coli completion --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="coli", description="colibrì: run Mixture-of-Experts models bigger than RAM.")
-    ap.add_argument("--version", action="version", version=f"colibri {_version()}")
-    sub = ap.add_subparsers(dest="command", parser_class=_Parser)
+    ap = _Parser(prog="coli", description="colibrì: run Mixture-of-Experts models bigger than RAM.",
+                 epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"colibri {_version()}",
+                    help="print the version and exit")
+    sub = ap.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
 
     p = sub.add_parser("convert", help="convert a Hugging Face model directory into a container")
-    p.add_argument("src", metavar="SRC", help="local Hugging Face model directory")
+    p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, or a repo id (owner/name) "
+                                              "that is in the Hugging Face cache ($HF_HOME)")
     p.add_argument("out", metavar="OUT", help="output container directory")
     p.add_argument("--bits", type=int, choices=(4, 8, 16), default=4,
                    help="4: int4 experts/attention (default); 8: int8; 16: nothing quantized")
@@ -89,19 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("download", help="download a Hugging Face model (resumable)")
     p.add_argument("repo", metavar="REPO", help="Hugging Face repo id, e.g. allenai/OLMoE-1B-7B-0924")
-    p.add_argument("--dir", metavar="DIR", default=None, help="where to put it (default: ./REPO-NAME)")
-    p.add_argument("--revision", default=None)
+    p.add_argument("--dir", metavar="DIR", default=None, help="where to put it (default: ./REPO-NAME); "
+                   "nothing is fetched when the Hugging Face cache ($HF_HOME) holds the repo")
+    p.add_argument("--revision", metavar="REV", default=None,
+                   help="a branch, tag or commit (default: the main branch)")
 
     p = sub.add_parser("run", help="generate text (or token ids) from a prompt")
     _add_model(p)
-    p.add_argument("prompt", nargs="?", metavar="PROMPT")
-    p.add_argument("--ids", help="comma-separated prompt token ids instead of PROMPT")
+    p.add_argument("prompt", nargs="?", metavar="PROMPT", help="the user message (wrapped in the chat template)")
+    p.add_argument("--ids", metavar="IDS", help="comma-separated prompt token ids instead of PROMPT")
     p.add_argument("--raw", action="store_true", help="do not wrap PROMPT in the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="stop after N new tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.7, metavar="T",
+                   help="sampling temperature (default 0.7)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to probability P (default 1: all)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample from the K most likely tokens only (default 0: no limit)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed, for repeatable samples (default: random)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable)")
@@ -110,29 +133,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("logits", help="teacher-forced logits for token ids, saved as .npy")
     _add_model(p)
-    p.add_argument("--ids", required=True, help="comma-separated token ids")
-    p.add_argument("--out", required=True, metavar="FILE.npy")
+    p.add_argument("--ids", required=True, metavar="IDS", help="comma-separated token ids")
+    p.add_argument("--out", required=True, metavar="FILE.npy", help="where to write the float32 [T, vocab] array")
 
     p = sub.add_parser("info", help="describe a container")
     _add_model(p, store=False)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("plan", help="RAM budget, slots per tier, projected hit rate, what bounds speed")
     _add_model(p, store=False)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"))
-    g.add_argument("--cap", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"), metavar="G",
+                   help="plan for G GB of RAM for routed experts (default: automatic, or $COLI_RAM_GB)")
+    g.add_argument("--cap", type=int, default=None, metavar="N", help="plan for N routed experts per layer in RAM")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     from .cli_replay import add_parser as add_replay
     add_replay(sub)
     from .app_cli import add_parsers as add_chat
     add_chat(sub)
+    from .cli_models import add_parsers as add_models
+    add_models(sub)
+    from .completion import SHELLS
+    p = sub.add_parser("completion", help="print a shell completion script",
+                       description="Print a completion script for coli. bash: add "
+                                   "`eval \"$(coli completion bash)\"` to ~/.bashrc; zsh: the same with zsh "
+                                   "in ~/.zshrc; fish: `coli completion fish > "
+                                   "~/.config/fish/completions/coli.fish`.")
+    p.add_argument("shell", choices=SHELLS, help="the shell: " + ", ".join(SHELLS))
     return ap
 
 
 def _need_model(args) -> str:
     if args.model:
+        from models import check_model_path
+        check_model_path(args.model)
         return args.model
     from models import default_model
     demo = default_model()
@@ -161,23 +196,45 @@ def _progress_bar(label: str, update):
         yield report
 
 
+def _convert_source(src: str) -> str:
+    """SRC as given, or the Hugging Face cache's snapshot when SRC is a cached repo id."""
+    from core.downloader import cached_snapshot, looks_like_repo_id
+    if Path(src).expanduser().exists() or not looks_like_repo_id(src):
+        return src
+    snap = cached_snapshot(src)
+    if snap is None:
+        raise ColiError(f"{src}: no such directory, and no such repo in the Hugging Face cache; "
+                        f"fetch it with `coli download {src}`")
+    print(f"coli: {src} from the Hugging Face cache: {snap}", file=sys.stderr)
+    return str(snap)
+
+
 def cmd_convert(args) -> int:
     from core.converter import convert
     from models import validate_config
+    from .cli_models import remember
+
+    args.src = _convert_source(args.src)
 
     with _progress_bar("converting", lambda p: (p.done_bytes, p.total_bytes,
                                                 f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")) as progress:
         out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size,
                       validate_config=validate_config, progress=progress)
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+    remember(out)
     print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
     return 0
 
 
 def cmd_download(args) -> int:
-    from core.downloader import download
+    from core.downloader import cached_snapshot, download
     from models import validate_config
 
+    snap = cached_snapshot(args.repo, args.revision)
+    if snap is not None:                  # the Hugging Face cache has it: fetch nothing
+        print(f"{args.repo} is already in the Hugging Face cache: {snap}; next: coli convert "
+              f"{args.repo} {args.repo.rsplit('/', 1)[-1]}-coli", file=sys.stderr)
+        return 0
     target = Path(args.dir or args.repo.rsplit("/", 1)[-1])
     with _progress_bar("downloading", lambda p: (p.done, p.total,
                                                  f"{p.file} ({p.file_index + 1}/{p.file_count})")) as progress:
@@ -310,8 +367,25 @@ def _cmd_replay(args) -> int:
     return cmd_replay(args)
 
 
+def _cmd_list(args) -> int:
+    from .cli_models import cmd_list
+    return cmd_list(args)
+
+
+def _cmd_rm(args) -> int:
+    from .cli_models import cmd_rm
+    return cmd_rm(args)
+
+
+def _cmd_completion(args) -> int:
+    from .completion import script
+    sys.stdout.write(script(args.shell, build_parser()))
+    return 0
+
+
 COMMANDS = {"download": cmd_download, "convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
-            "plan": cmd_plan, "replay": _cmd_replay, "chat": _cmd_chat}
+            "plan": cmd_plan, "replay": _cmd_replay, "chat": _cmd_chat, "list": _cmd_list, "rm": _cmd_rm,
+            "completion": _cmd_completion}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,11 +396,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             return 0
         args.command = "chat"
+    from .paths import logger, setup_logging
+    setup_logging()
+    log = logger("cli")
+    log.info("coli %s: %s", _version(), args.command)      # not the arguments: prompts stay private
     try:
         if getattr(args, "threads", None) is not None and args.threads < 1:
             raise ColiError("--threads must be >= 1")
         return COMMANDS[args.command](args)
     except ColiError as e:
+        log.info("error: %s", e)
         print(f"coli: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
@@ -334,11 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return 0
-    except Exception as e:  # a bug: still one line, the traceback only on request
+    except Exception as e:  # a bug: still one line, the traceback only on request (and in the log)
+        log.exception("internal error")
         if os.environ.get("COLI_DEBUG"):
             raise
-        print(f"coli: internal error: {e.__class__.__name__}: {e} (set COLI_DEBUG=1 for details)",
-              file=sys.stderr)
+        from .paths import log_path
+        print(f"coli: internal error: {e.__class__.__name__}: {e} (details in {log_path()}, or set "
+              f"COLI_DEBUG=1)", file=sys.stderr)
         return EXIT_INTERNAL
 
 

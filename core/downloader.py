@@ -48,8 +48,73 @@ TIMEOUT_S = 30.0
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
+REPO_ID = re.compile(r"[\w.\-]+/[\w.\-]+")
+
+
+def looks_like_repo_id(text: str) -> bool:
+    return bool(REPO_ID.fullmatch(text.strip())) and ".." not in text and "--" not in text
+
+
+def _login_hint(host: str) -> str:
+    # the one-file binary has no `hf` command: the token goes in an environment variable
+    return f"set HF_TOKEN to an access token from {host}/settings/tokens"
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, read at call time like ``HF_ENDPOINT`` (huggingface_hub reads
+    ``HF_HOME`` once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE)
+
+
+def cached_snapshot(repo: str, revision: str | None = None) -> Path | None:
+    """The Hugging Face cache's snapshot of ``repo`` when it holds everything the converter needs
+    (config.json and every weight shard the index names), else None. No network."""
+    if not looks_like_repo_id(repo):
+        return None
+    from huggingface_hub import snapshot_download
+    try:
+        snap = Path(snapshot_download(repo.strip(), revision=revision, cache_dir=hf_cache_dir(),
+                                      local_files_only=True))
+    except Exception:                 # not cached (LocalEntryNotFoundError), or an unreadable cache
+        return None
+    return snap if _has_weights(snap) else None
+
+
+def _has_weights(d: Path) -> bool:
+    if not (d / "config.json").is_file():
+        return False
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+        return bool(shards) and all((d / s).is_file() for s in shards)   # a dangling link: not there
+    return any(p.is_file() for p in d.glob("*.safetensors"))
+
+
+def repo_from_cache_path(path: str | Path) -> str | None:
+    """``owner/name`` for a folder inside a Hugging Face cache snapshot
+    (``.../models--owner--name/snapshots/COMMIT``), else None."""
+    parts = Path(path).expanduser().absolute().parts
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--"):
+            owner_name = parts[i - 1][len("models--"):].split("--")
+            return "/".join(owner_name) if all(owner_name) else None
+    return None
+
+
 class DownloadCancelled(ColiError):
     """The user cancelled; what was downloaded stays and the next run continues from it."""
+
+
+class NoSuchRepo(ColiError):
+    """The Hub has no such repository (or hides it): there is nothing to resume."""
 
 
 @dataclass
@@ -132,10 +197,10 @@ class _Errors:
         host, repo = _host(self.endpoint), self.repo
         where = f" ({self.what})" if self.what else ""
         if isinstance(e, hf.GatedRepoError):
-            return ColiError(f"{repo} is gated: accept its terms on {host} and log in with `hf auth login`")
+            return ColiError(f"{repo} is gated: accept its terms on {host}, then {_login_hint(self.endpoint)}")
         if isinstance(e, hf.RepositoryNotFoundError):
-            return ColiError(f"{repo}: no such model on {host} (check the name; private models need "
-                             f"`hf auth login`)")
+            return NoSuchRepo(f"{repo}: no such model on {host} (check the name; for a private model "
+                              f"{_login_hint(self.endpoint)})")
         if isinstance(e, hf.RevisionNotFoundError):
             return ColiError(f"{repo}: that revision does not exist on {host}")
         if isinstance(e, hf.RemoteEntryNotFoundError):
@@ -227,6 +292,7 @@ def download(repo: str, local_dir: str | Path, revision: str | None = None,
     local_dir = Path(local_dir).expanduser()
     ep = endpoint_url(endpoint)
     cancel = cancel or threading.Event()
+    created = not local_dir.exists()
     try:
         local_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -246,7 +312,15 @@ def download(repo: str, local_dir: str | Path, revision: str | None = None,
                         progress(DownloadProgress(f.name, f.size, f.size, before, done.total_bytes, k,
                                                   len(done.files), True))
                 return local_dir
-    plan = plan_download(repo, revision, ep, local_dir)
+    try:
+        plan = plan_download(repo, revision, ep, local_dir)
+    except ColiError:
+        if created:                    # a mistyped repo id must not leave an empty folder behind
+            try:
+                local_dir.rmdir()
+            except OSError:
+                pass
+        raise
     atomic_write_text(local_dir / STATE, json.dumps(
         {"repo": repo, "revision": plan.revision, "endpoint": ep, "complete": False,
          "files": [asdict(f) for f in plan.files]}, indent=1))

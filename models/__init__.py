@@ -10,7 +10,8 @@ from core.errors import ColiError
 
 from .registry import FAMILIES, family_for, supported_types, validate_config
 
-__all__ = ["open_model", "default_model", "FAMILIES", "family_for", "supported_types", "validate_config"]
+__all__ = ["open_model", "default_model", "check_model_path", "FAMILIES", "family_for", "supported_types",
+           "validate_config"]
 
 # Measured on the demo trace at 25 % capacity (coli replay): LFRU 0.937 of MIN, markov 0.942,
 # LRU 0.865. LFRU stays the default: markov's +0.005 costs O(experts^2) counters per layer in
@@ -33,6 +34,25 @@ def default_model() -> Path | None:
     return DEMO_MODEL if (DEMO_MODEL / "colibri.json").exists() else None
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_model_path(path: str | Path) -> None:
+    """Refuse, with a useful line, a --model that is a file (a GGUF, say) instead of a container."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return                         # a directory, or missing: the container says which
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        magic = b""
+    if magic == GGUF_MAGIC or p.suffix.lower() == ".gguf":
+        raise ColiError(f"{p}: GGUF is not supported yet: convert the Hugging Face checkpoint with "
+                        f"coli convert")
+    raise ColiError(f"{p} is a file; --model takes a colibrì container directory (made by coli convert)")
+
+
 def _read_json(path: Path) -> dict | None:
     if not path.exists():
         return None
@@ -53,6 +73,7 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
     from core.policies import make_policy
     from core.tiered_store import TieredStore
 
+    check_model_path(path)
     container = Container(path)
     try:
         validate_config(container.config)

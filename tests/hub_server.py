@@ -5,6 +5,7 @@ Routes (what huggingface_hub 1.x/2.x asks for):
 - ``GET /api/models/{repo}[/revision/{rev}]`` -> ``{"id", "sha", "siblings": [{"rfilename", "size",
   "blobId", "lfs"}]}``; unknown repo: 404 with ``X-Error-Code: RepoNotFound``; unknown revision:
   404 ``RevisionNotFound``.
+- ``GET /api/models/{repo}/tree/{rev}`` -> the file list ``snapshot_download`` asks for (one page).
 - ``HEAD|GET /{repo}/resolve/{rev}/{path}`` -> ``ETag``, ``X-Repo-Commit``, ``Content-Length``,
   ``Accept-Ranges``; for LFS-like files (``*.safetensors``) also ``X-Linked-Etag`` (sha256) and
   ``X-Linked-Size`` as the Hub sends them; ``Range: bytes=a-[b]`` gives 206 + ``Content-Range``;
@@ -186,6 +187,8 @@ class _Handler(BaseHTTPRequestHandler):
         if rid is None:
             return self._error(404, "RepoNotFound", "Repository not found")
         repo = self.hub.repos[rid]
+        if len(rest) == 2 and rest[0] == "tree" and rest[1] in ("main", repo.sha):
+            return self._tree(repo)
         if rest and (len(rest) != 2 or rest[0] != "revision" or rest[1] not in ("main", repo.sha)):
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {'/'.join(rest[1:])}")
         siblings = []
@@ -197,6 +200,22 @@ class _Handler(BaseHTTPRequestHandler):
             siblings.append(s)
         body = json.dumps({"_id": rid, "id": rid, "modelId": rid, "sha": repo.sha, "private": False,
                            "gated": False, "disabled": False, "tags": [], "siblings": siblings}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _tree(self, repo: _Repo) -> None:
+        """``/api/models/{repo}/tree/{rev}?recursive=true`` (snapshot_download's listing), one page."""
+        entries = []
+        for name in repo.files():
+            m = repo.meta(name)
+            e = {"type": "file", "oid": m["sha1"], "size": m["size"], "path": name}
+            if "sha256" in m:
+                e["lfs"] = {"oid": m["sha256"], "size": m["size"], "pointerSize": 134}
+            entries.append(e)
+        body = json.dumps(entries).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))

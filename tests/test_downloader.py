@@ -117,8 +117,14 @@ def test_corrupt_shard_is_refused_then_fetched_anew(hub, repo_dir, tmp_path):
 
 
 def test_clear_errors(hub, repo_dir, tmp_path):
-    with pytest.raises(ColiError, match=r"acme/nope: no such model on 127\.0\.0\.1"):
-        download("acme/nope", tmp_path / "a")
+    with pytest.raises(ColiError, match=r"acme/nope: no such model on 127\.0\.0\.1") as err:
+        download("acme/nope", tmp_path / "a" / "nope")
+    assert not (tmp_path / "a" / "nope").exists()              # a mistyped id leaves no empty folder
+    assert "hf auth" not in str(err.value) and "HF_TOKEN" in str(err.value)   # the binary has no `hf`
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ColiError, match="no such model"):
+        download("acme/nope", tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir()                        # a folder that was there stays
     with pytest.raises(ColiError, match="not a Hugging Face repo id"):
         plan_download("not a repo!")
 
