@@ -3,6 +3,7 @@
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
                                 [--prefill 512] [--no-torch] [--layers N]
                                 [--kv-cache float32|float16] [--int8-activations] [--repeats 1]
+                                [--busy N] [--model DIR]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
 DIR, default /work/bench_models/olmoe-geom, and kept), opens it with every expert allowed in RAM
@@ -24,6 +25,14 @@ counts alternating and the bandwidth measured right before and after each run (t
 two is that run's bound), and reports the medians and the range of the per-run ratios: on a
 machine whose speed drifts (the project's 2-core VM moves 10-40 % within minutes) one run's ratio
 moves by +-0.1, the median of interleaved runs much less. Prefill and PyTorch run once.
+
+``--model DIR`` benchmarks any converted container instead (the demo model, a real checkpoint).
+
+``--busy N`` starts N busy-loop processes (one core each, as another program would) for the
+decode runs and adds ``default`` to the thread counts: the engine without ``--threads``, whose
+count follows the machine's load (core.threads). It then prints each count's median tok/s and
+the default's against the best fixed count of the same run. ``--threads`` takes ``default`` as
+a count too (``--threads 1,2,default``). Prefill is skipped with ``--busy``.
 
 Prefill (``--prefill T``, default 512, 0 skips): the same process then loads every expert, and
 times one forward pass over a T-token random prompt with a fresh KV cache -> prefill tok/s and
@@ -71,6 +80,7 @@ from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry 
 from core.arch import KV_CACHES  # noqa: E402
 
 
+DEFAULT = "default"              # a --threads entry: the engine's own, load-following count
 SGEMM_SHAPE = (2048, 1024)      # (I, O) of the sgemm next to prefill: x [T, I] @ W[O, I].T
 TORCH_WARMUP = 2                 # untimed decode steps before PyTorch's timed ones
 
@@ -105,6 +115,7 @@ def child(a) -> None:
         kernels.set_int8_activations(True)
     engine = open_model(a.dir, cap=geo["experts_per_layer"], prefetch=False, threads=a.threads,
                         kv_cache=a.kv_cache)
+    from core import kernels
     prompt = [int(v) for v in np.random.default_rng(a.seed).integers(1, geo["vocab_size"], a.prompt_len)]
     out = {}
     for name in ("warm-up", "timed"):
@@ -120,6 +131,8 @@ def child(a) -> None:
     steps = max(1, l["new_tokens"] - 1)
     keep = ("attention_s", "experts_s", "lm_head_s")
     res = {"tok_s": l["decode_tok_s"], "steps": steps, "hit_rate": l.get("hit_rate"),
+           "threads_used": kernels.get_threads(),
+           "others_busy": engine.governor.others_busy if engine.governor is not None else None,
            **{k: (l.get(k, 0.0) - f.get(k, 0.0)) / steps for k in keep}}
     if a.ref:
         # reference for the PyTorch check: logits at every prompt position, greedy continuation
@@ -150,6 +163,7 @@ def _last_json(r: subprocess.CompletedProcess) -> dict:
 
 
 def run_child(a, t: int, ref: Path | None = None) -> dict:
+    """One decode measurement in a fresh process; ``t`` a thread count or DEFAULT (none given)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--dir", str(a.dir),
            "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed),
            "--threads", str(t), "--prefill", str(a.prefill)]
@@ -158,7 +172,9 @@ def run_child(a, t: int, ref: Path | None = None) -> dict:
     if a.int8_activations:
         cmd.append("--int8-activations")
     cmd += ["--kv-cache", a.kv_cache]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(t))
+    env = dict(os.environ)
+    if t != DEFAULT:
+        env["OPENBLAS_NUM_THREADS"] = str(t)
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env))
 
 
@@ -383,10 +399,14 @@ def truncated_copy(path: Path, layers: int) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR,
+                    help="where the random OLMoE-geometry container is made once and kept")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="benchmark this container instead (e.g. models/demo/qwen3-moe-demo)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--threads", default="1,2",
+                    help="thread counts, comma-separated; 'default' = the engine's load-following count")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill", type=int, default=512, help="prefill prompt length (0: skip prefill)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch (transformers) runs")
@@ -397,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="our engine's KV cache precision (float16: the opt-in half-precision cache)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="decode runs per thread count, interleaved; medians reported (default 1)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="N busy-loop processes during the decode runs; adds the 'default' count")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ref", type=Path, default=None, help=argparse.SUPPRESS)
@@ -406,14 +428,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.child:
-        a.threads = int(a.threads)
+        a.threads = None if a.threads == DEFAULT else int(a.threads)
         child(a)
         return 0
     if a.torch_child:
         a.threads_list = [int(v) for v in a.threads.split(",")]
         torch_child(a)
         return 0
-    path, _, _ = ensure_container(a.dir, a.seed)
+    if a.model is not None:          # any container, used as it is
+        a.dir = path = a.model.resolve()
+    else:
+        path, _, _ = ensure_container(a.dir, a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="decode-bench-"))
     try:
         if a.layers:
@@ -446,22 +471,53 @@ def bench(a, path: Path, tmp: Path) -> int:
           f"= weights {weights / 1e9:.3f} + {a.kv_cache} KV cache {kv / 1e9:.3f} (~{context:.0f} positions)")
     if a.layers:
         print(f"(--layers {a.layers}: the first {a.layers} layers only)")
-    threads = [int(v) for v in a.threads.split(",")]
-    if a.repeats < 1:
-        print("--repeats must be >= 1", file=sys.stderr)
+    threads = [v.strip() if v.strip() == DEFAULT else int(v) for v in a.threads.split(",")]
+    if a.repeats < 1 or a.busy < 0:
+        print("--repeats must be >= 1 and --busy >= 0", file=sys.stderr)
         return 2
+    if a.busy:
+        a.prefill = 0
+        if DEFAULT not in threads:
+            threads.append(DEFAULT)
+    busy = start_busy(a.busy)
+    try:
+        return measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_params, geo)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+def start_busy(n: int) -> list[subprocess.Popen]:
+    """n processes that each keep one core busy (a Python loop), as a desktop's other programs do."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    if procs:
+        time.sleep(1.0)     # running before the first measurement
+    return procs
+
+
+def _bw_threads(t) -> int:
+    if t == DEFAULT:
+        from core.kernels import default_threads
+        return default_threads()
+    return t
+
+
+def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_params, geo) -> int:
+    if a.busy:
+        print(f"(--busy {a.busy}: {a.busy} busy-loop process(es) run during the decode runs)")
     ref = tmp / "engine_ref.npz"
     rows, runs = [], {t: [] for t in threads}
     for rep in range(a.repeats):
         later = argparse.Namespace(**{**vars(a), "prefill": 0}) if rep else a    # prefill once
         for t in threads:
-            bw = ram_read_gbps(t)
-            res = run_child(later, t, ref if not rows and not rep else None)
-            bw = max(bw, ram_read_gbps(t))
+            bw = ram_read_gbps(_bw_threads(t))
+            res = run_child(later, t, ref if not rows and not rep and t != DEFAULT else None)
+            bw = max(bw, ram_read_gbps(_bw_threads(t)))
             if "error" in res:
                 print(f"threads {t}: FAILED: {res['error']}")
                 continue
-            runs[t].append((res["tok_s"], bw))
+            runs[t].append((res["tok_s"], bw, res.get("threads_used")))
             if not rep:
                 rows.append((t, res, bw, bw * 1e9 / touched))
     print(f"\n{'threads':>7} {'tok/s':>7} {'RAM GB/s':>9} {'bound tok/s':>12} {'ratio':>6} "
@@ -469,7 +525,7 @@ def bench(a, path: Path, tmp: Path) -> int:
     for t, r, bw, bound in rows:
         step = 1e3 / r["tok_s"]
         parts = [1e3 * r[k] for k in ("attention_s", "experts_s", "lm_head_s")]
-        print(f"{t:7d} {r['tok_s']:7.2f} {bw:9.1f} {bound:12.1f} {r['tok_s'] / bound:6.2f} "
+        print(f"{t!s:>7} {r['tok_s']:7.2f} {bw:9.1f} {bound:12.1f} {r['tok_s'] / bound:6.2f} "
               f"{r['tok_s'] * touched / 1e9:9.1f} {parts[0]:8.1f} {parts[1]:10.1f} {parts[2]:10.1f} "
               f"{step - sum(parts):9.1f}")
     print("(second run's decode steps, experts resident; eff. GB/s = tok/s x bytes touched per "
@@ -478,13 +534,22 @@ def bench(a, path: Path, tmp: Path) -> int:
         print(f"\n{'threads':>7} {'runs':>4} {'median tok/s':>12} {'median RAM GB/s':>15} "
               f"{'median ratio':>12} {'ratios (run order)':>s}")
         for t in threads:
-            ratios = [tok * touched / (bw * 1e9) for tok, bw in runs[t]]
+            ratios = [tok * touched / (bw * 1e9) for tok, bw, _ in runs[t]]
             if ratios:
-                print(f"{t:7d} {len(ratios):4d} {statistics.median(r[0] for r in runs[t]):12.2f} "
+                print(f"{t!s:>7} {len(ratios):4d} {statistics.median(r[0] for r in runs[t]):12.2f} "
                       f"{statistics.median(r[1] for r in runs[t]):15.1f} "
                       f"{statistics.median(ratios):12.2f} {' '.join(f'{r:.2f}' for r in ratios)}")
         print("(each run's ratio against the bandwidth measured around it; thread counts "
               "alternate between runs)")
+    if DEFAULT in threads and runs[DEFAULT]:
+        fixed = {t: statistics.median(r[0] for r in runs[t]) for t in threads if t != DEFAULT and runs[t]}
+        got = statistics.median(r[0] for r in runs[DEFAULT])
+        used = [r[2] for r in runs[DEFAULT]]
+        print(f"\ndefault threads (load-following; used {', '.join(map(str, used))}): median "
+              f"{got:.2f} tok/s" + (f" = {got / max(fixed.values()):.2f} x the best fixed count "
+                                    f"({max(fixed, key=fixed.get)} threads, {max(fixed.values()):.2f} "
+                                    f"tok/s)" if fixed else "")
+              + (f", with {a.busy} busy process(es)" if a.busy else ""))
 
     tres = None
     if a.no_torch:
@@ -496,7 +561,7 @@ def bench(a, path: Path, tmp: Path) -> int:
         print(f"\nPyTorch: transformers OlmoeForCausalLM, bfloat16: {n / 1e9:.2f} G params = "
               f"{2 * n / 1e9:.1f} GB (float32 would need {4 * n / 1e9:.1f} GB), the same weights "
               f"dequantized from the container; building it ...", flush=True)
-        tres = run_torch_child(a, threads, ref)
+        tres = run_torch_child(a, [t for t in threads if t != DEFAULT], ref)
         if "error" in tres:
             print(f"PyTorch: FAILED: {tres['error']}")
             tres = None
@@ -527,7 +592,7 @@ def bench(a, path: Path, tmp: Path) -> int:
             pcols = f"{'-':>9} {'-':>10} {'-':>13} {'-':>8}"
         tcols = (f"{tr['tok_s']:11.2f} " + (f"{tr['prefill_tok_s']:14.1f}" if "prefill_tok_s" in tr else f"{'-':>14}")
                  if tr else f"{'-':>11} {'-':>14}")
-        print(f"{t:7d} {r['tok_s']:7.2f} {bound:7.1f} {r['tok_s'] / bound:6.2f} {pcols} {tcols}")
+        print(f"{t!s:>7} {r['tok_s']:7.2f} {bound:7.1f} {r['tok_s'] / bound:6.2f} {pcols} {tcols}")
     acts = "int8 activations (opt-in)" if a.int8_activations else "float32 activations"
     print(f"(ours: int4 experts/attention, int8 lm_head, {acts}; pf = one {a.prefill}-token "
           f"prefill, fresh KV cache, every expert resident; GFLOP/s counts 2 x "

@@ -131,6 +131,8 @@ class Engine:
         self.container, self.spec, self.tokenizer = container, spec, tokenizer
         self.kv_dtype = np.dtype(kv_dtype)     # KVCache's: float32, or the opt-in float16
         kernels.set_threads(threads)
+        # no count given: follow the machine's load between passes (speed only, never bits)
+        self.governor = kernels.thread_governor() if threads is None else None
         c = container
         self.embed = c.load("model.embed_tokens.weight")
         if self.embed.shape[0] != spec.vocab_size:
@@ -290,6 +292,8 @@ class Engine:
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
         s = self.spec
+        if self.governor is not None:
+            self.governor.update()
         x = kernels.rows(self.embed, ids)
         pos = np.arange(cache.length, cache.length + len(ids))
         cos, sin = self.rope.cos_sin(pos)

@@ -53,6 +53,18 @@ def set_threads(n: int | None) -> None:
         _compiled.set_num_threads(int(n) if n else default_threads())
 
 
+def thread_governor():
+    """The default thread count that follows the machine's load (core.threads), or None without
+    the compiled kernels (the numpy path has no thread count of ours)."""
+    if _compiled is None:
+        return None
+    import psutil
+
+    from .threads import ThreadGovernor
+    return ThreadGovernor(default_threads(), psutil.cpu_count(logical=True) or default_threads(),
+                          lambda n: _compiled.set_num_threads(n))
+
+
 def get_threads() -> int:
     return _compiled.get_num_threads() if _compiled is not None else 1
 
