@@ -72,3 +72,19 @@ def test_smoke_switch_and_ascii_output():
     assert smoke.requested({"COLI_SMOKE": "1"}) and smoke.requested({"COLI_SMOKE": "yes"})
     assert not smoke.requested({}) and not smoke.requested({"COLI_SMOKE": "0"})
     assert smoke._printable("colibrì\x1b[2J·x") == "colibr??[2J?x"
+
+
+def test_release_workflow_smoke_step_runs_on_windows(tmp_path):
+    # the release job's start-and-quit step: present (not commented out), not kept off Windows,
+    # and the command it runs passes here with `coli` from source in place of the binary
+    yaml = pytest.importorskip("yaml")
+    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yml").read_text())
+    build = wf["jobs"]["build"]
+    assert any(m["os"].startswith("windows") for m in build["strategy"]["matrix"]["include"])
+    steps = [s for s in build["steps"] if 'COLI_SMOKE=1 "$BIN" chat' in s.get("run", "")]
+    assert len(steps) == 1, "the headless start-and-quit step is missing"
+    assert "Windows" in steps[0].get("if", "runner.os == 'Windows'")
+    assert "!=" not in steps[0].get("if", "")
+    r = _coli(["chat"], tmp_path, COLI_SMOKE="1", COLI_NO_RELAUNCH="1", PYTHONUTF8="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("coli: smoke: OK"), r.stdout

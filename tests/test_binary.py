@@ -219,3 +219,93 @@ def test_app_starts_and_quits_in_tmux(binary, container, tmp_path):
         assert "COLI-EXITED-0" in screen, screen
     finally:
         _tmux("kill-session", "-t", session, check=False)
+
+
+# --- the double-click path: no terminal, no arguments -> reopened in a terminal emulator -----------
+
+STAND_IN_EMULATOR = """#!/bin/sh
+# A stand-in x-terminal-emulator: like a real one, it runs `-e CMD ARGS...` in a new terminal (a
+# detached tmux session on its own server, so that the session sees this environment) and passes
+# its environment through. It also records that environment.
+env > '{env_file}'
+[ "$1" = "-e" ] && shift
+exec tmux -L '{socket}' -f /dev/null new-session -d -s coli -x 120 -y 36 \\
+  sh -c 'TERM=xterm-256color; export TERM; "$@"; echo COLI-EXITED-$?; sleep 60' sh "$@"
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="x-terminal-emulator is Linux's")
+def test_double_click_reopens_in_a_terminal_and_the_app_starts(binary, tmp_path):
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    socket = f"coli-relaunch-{uuid.uuid4().hex[:8]}"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    env_file = tmp_path / "emulator-env.txt"
+    emulator = bindir / "x-terminal-emulator"
+    emulator.write_text(STAND_IN_EMULATOR.format(env_file=env_file, socket=socket))
+    emulator.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLI_MODEL", "COLI_RAM_GB", "COLI_NO_RELAUNCH", "COLI_FORCE_RELAUNCH",
+                        "COLI_RELAUNCHED", "TMUX", "TMUX_PANE")}
+    env.update(DISPLAY=":99", PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+               COLI_DATA_DIR=str(tmp_path / "data"), COLI_CONFIG_DIR=str(tmp_path / "cfg"),
+               # the user's own library path, which the bootloader replaces and keeps aside
+               LD_LIBRARY_PATH=str(tmp_path / "user-lib"))
+
+    def tmux(*args, check=False):
+        return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True,
+                              timeout=30, check=check)
+
+    def screen() -> str:
+        r = tmux("capture-pane", "-p", "-t", "coli")
+        return r.stdout if r.returncode == 0 else ""
+
+    def wait(cond, timeout: float) -> str:
+        t0 = time.monotonic()
+        while not cond(s := screen()):
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"timed out; the terminal shows:\n{s}")
+            time.sleep(0.3)
+        return s
+
+    try:
+        # as a file manager starts it: no tty anywhere, no controlling terminal, no arguments
+        t0 = time.monotonic()
+        r = subprocess.run([str(binary)], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=120, start_new_session=True)
+        assert r.returncode == 0, f"the launcher did not open a terminal:\n{r.stderr}"
+        seen = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+        assert not [k for k in seen if k.startswith("_PYI_")], "the bootloader's variables leaked"
+        assert seen.get("LD_LIBRARY_PATH") == env["LD_LIBRARY_PATH"], seen.get("LD_LIBRARY_PATH")
+        assert seen.get("COLI_RELAUNCHED") == "1" and seen.get("PYINSTALLER_RESET_ENVIRONMENT") == "1"
+        # the reopened copy: the app's first whole frame (title and footer), not a bootloader error
+        s = wait(lambda s: ("colibr" in s and "palette" in s) or "COLI-EXITED" in s, timeout=120)
+        assert "COLI-EXITED" not in s, f"the reopened binary died:\n{s}"
+        print(f"\nreopened in the stand-in terminal, first frame after "
+              f"{time.monotonic() - t0:.1f} s:\n{s}")
+        tmux("send-keys", "-t", "coli", "C-q")
+        # a run shorter than the launcher's FLASH_SECONDS waits for Enter before its window closes
+        s = wait(lambda s: "COLI-EXITED" in s or "press Enter" in s, timeout=30)
+        if "COLI-EXITED" not in s:
+            tmux("send-keys", "-t", "coli", "Enter")
+            s = wait(lambda s: "COLI-EXITED" in s, timeout=30)
+        assert "COLI-EXITED-0" in s, s
+    finally:
+        tmux("kill-server")
+
+
+def test_smoke_mode_starts_and_quits_headless(binary, tmp_path):
+    # what the Windows release job runs (no tmux there): COLI_SMOKE=1 `chat` without a terminal
+    from models import default_model
+    env = _env(COLI_SMOKE="1", COLI_DATA_DIR=str(tmp_path / "data"),
+               COLI_CONFIG_DIR=str(tmp_path / "cfg"))
+    r = _run([binary, "chat"], env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    assert line.startswith("coli: smoke: OK") and "after" in line, line
+    if default_model() is not None:
+        assert "ChatScreen" in line and "model qwen3-moe-demo ready" in line, line
+    else:
+        assert "SetupWizard" in line and "no model configured" in line, line
+    print(f"\n{line}")
