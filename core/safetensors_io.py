@@ -68,6 +68,23 @@ def bf16_from_float32(x: np.ndarray) -> np.ndarray:
     return (rounded >> 16).astype(np.uint16)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -108,32 +125,55 @@ class SafetensorsFile:
             raise ColiError(f"{self.path.name} is corrupt or truncated: bad header length {n} "
                             f"for a {size}-byte file")
         try:
-            header = json.loads(bytes(self.pread(n, 8)))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ColiError(f"{self.path.name} is corrupt: its header is not valid JSON") from None
+            header = json.loads(bytes(self.pread(n, 8)), object_pairs_hook=_no_duplicate_keys)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, _DuplicateKey) as e:
+            why = f"names {e} twice" if isinstance(e, _DuplicateKey) else "is not valid JSON"
+            raise ColiError(f"{self.path.name} is corrupt: its header {why}") from None
         if not isinstance(header, dict):
             raise ColiError(f"{self.path.name} is corrupt: its header is not a JSON object")
-        self.metadata: dict = header.pop("__metadata__", None) or {}
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise ColiError(f"{self.path.name} is corrupt: its __metadata__ is not a JSON object")
+        self.metadata: dict = meta
         base = 8 + n
         self.data_start = base
         self.tensors: dict[str, TensorInfo] = {}
-        data_end = 0
         for name, h in header.items():
-            try:
-                dtype, shape, (a, b) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise ColiError(f"{self.path.name} is corrupt: bad header entry for {name}") from None
-            if dtype not in DTYPES:
-                raise ColiError(f"{self.path.name}: tensor {name} has unsupported dtype {dtype}")
-            want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-            if not (0 <= a <= b) or b - a != want:
-                raise ColiError(f"{self.path.name} is corrupt: tensor {name} has offsets {a}..{b} "
-                                f"but needs {want} bytes")
+            dtype, shape, (a, b) = self._entry(name, h)
             self.tensors[name] = TensorInfo(name, dtype, shape, base + a, base + b)
-            data_end = max(data_end, b)
-        if base + data_end > size:
-            raise ColiError(f"{self.path.name} is truncated: expected {base + data_end} bytes, "
-                            f"found {size}")
+        # As the stock reader validates: the tensors tile the data buffer exactly -- in order of
+        # their offsets, each starting where the previous one ended, the last ending at the end of
+        # the file. Anything else (a header length a few bytes short that the JSON's padding
+        # absorbs, two tensors on one byte range, a gap) would read wrong bytes in silence.
+        at = base
+        for t in sorted(self.tensors.values(), key=lambda t: (t.start, t.end)):
+            if t.start != at:
+                raise ColiError(f"{self.path.name} is corrupt: tensor {t.name} starts at data byte "
+                                f"{t.start - base}, expected {at - base} ("
+                                + ("overlaps the previous tensor)" if t.start < at else "a gap before it)"))
+            at = t.end
+        if at != size:
+            raise ColiError(f"{self.path.name} is " + ("truncated" if at > size else "corrupt")
+                            + f": its header describes {at} bytes, the file has {size}")
+
+    def _entry(self, name: str, h) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+        """(dtype, shape, (begin, end)) of one header entry, every field type-checked."""
+        def bad(why: str) -> ColiError:
+            return ColiError(f"{self.path.name} is corrupt: tensor {name}: {why}")
+        if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= h.keys():
+            raise bad("needs dtype, shape and data_offsets")
+        dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ColiError(f"{self.path.name}: tensor {name} has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise bad(f"shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise bad(f"data_offsets {offsets!r} is not two non-negative integers")
+        a, b = offsets
+        want = int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize
+        if b < a or b - a != want:
+            raise bad(f"offsets {a}..{b} but its dtype and shape need {want} bytes")
+        return dtype, tuple(shape), (a, b)
 
     def close(self) -> None:
         self._f.close()

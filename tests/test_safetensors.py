@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -61,3 +63,98 @@ def test_truncated_and_corrupt_files_are_named(tmp_path):
     p.write_bytes(b"abc")
     with pytest.raises(ColiError, match="truncated or not a safetensors file"):
         SafetensorsFile(p)
+
+
+# --- headers are validated as the stock reader validates them (issue 16) -------------------------
+def _two_tensor_file(tmp_path):
+    p = tmp_path / "m.safetensors"
+    _write(p, {"a": ("F32", np.arange(8, dtype=np.float32)), "b": ("F32", np.arange(8, 16, dtype=np.float32))})
+    data = p.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return p, json.loads(data[8: 8 + n]), data[8 + n:]
+
+
+def _rewrite(p, header, body, pad_to=None, length_delta=0):
+    blob = json.dumps(header).encode()
+    if pad_to is not None:
+        blob += b" " * (pad_to - len(blob))
+    p.write_bytes((len(blob) + length_delta).to_bytes(8, "little") + blob + body)
+
+
+def _stock_refuses(p) -> bool:
+    try:
+        with safe_open(p, "np") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+    except Exception:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("short", [1, 2, 3])
+def test_a_header_length_a_few_bytes_short_is_refused(tmp_path, short):
+    """The JSON's trailing spaces absorb a short length field; every tensor would read shifted."""
+    p, header, body = _two_tensor_file(tmp_path)
+    blob_len = len(json.dumps(header).encode())
+    _rewrite(p, header, body, pad_to=blob_len + 8, length_delta=-short)
+    assert _stock_refuses(p)
+    with pytest.raises(ColiError, match="m.safetensors is corrupt"):
+        SafetensorsFile(p)
+
+
+@pytest.mark.parametrize("mutation, match", [
+    (lambda h: h["b"].update(data_offsets=[0, 32]), "overlaps"),             # b aliases a
+    (lambda h: h["a"].update(data_offsets=[8, 40]), "overlaps|gap|describes"),  # shifted into b
+    (lambda h: (h["a"].update(data_offsets=[32, 64]), h["b"].update(data_offsets=[64, 96])), "gap"),
+    (lambda h: h["a"].update(data_offsets=[0.0, 32.0]), "data_offsets"),
+    (lambda h: h["a"].update(shape=["8"]), "shape"),
+    (lambda h: h["a"].update(shape=[True] * 1), "shape"),
+    (lambda h: h["a"].update(shape=[4]), "need"),
+    (lambda h: h.pop("dtype", None) or h["a"].pop("data_offsets"), "needs dtype"),
+    (lambda h: h.update(__metadata__=[1, 2]), "__metadata__"),
+])
+def test_bad_offsets_and_fields_are_refused(tmp_path, mutation, match):
+    p, header, body = _two_tensor_file(tmp_path)
+    mutation(header)
+    _rewrite(p, header, body)
+    with pytest.raises(ColiError, match=match):
+        SafetensorsFile(p)
+
+
+def test_nested_and_duplicate_headers_are_one_clear_error(tmp_path):
+    p, header, body = _two_tensor_file(tmp_path)
+    blob = b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    p.write_bytes(len(blob).to_bytes(8, "little") + blob + body)
+    with pytest.raises(ColiError, match="not valid JSON"):
+        SafetensorsFile(p)
+    text = json.dumps(header)
+    blob = (text[:-1] + ', "a": ' + json.dumps(header["a"]) + "}").encode()
+    p.write_bytes(len(blob).to_bytes(8, "little") + blob + body)
+    with pytest.raises(ColiError, match="names a twice"):
+        SafetensorsFile(p)
+
+
+def test_extra_bytes_after_the_data_are_refused(tmp_path):
+    p, header, body = _two_tensor_file(tmp_path)
+    _rewrite(p, header, body + b"\0" * 16)
+    assert _stock_refuses(p)
+    with pytest.raises(ColiError, match="describes"):
+        SafetensorsFile(p)
+
+
+def test_the_converter_refuses_a_source_with_a_shifted_header(tmp_path, capsys):
+    """The converter's input reader is the same validated reader: one line, exit 1, no output."""
+    from colibri_tui.cli import main as coli
+    from tests.conftest import tiny_config, write_hf_model
+    src = write_hf_model(tmp_path / "src", tiny_config())
+    shard = sorted(src.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    blob = data[8: 8 + n].rstrip(b" ")
+    blob += b" " * 4
+    shard.write_bytes((len(blob) - 2).to_bytes(8, "little") + blob + data[8 + n:])
+    capsys.readouterr()
+    assert coli(["convert", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("coli: error:") and shard.name in err[0], err
+    assert not (tmp_path / "out" / "colibri.json").exists()
