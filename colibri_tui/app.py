@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -46,6 +46,7 @@ class Generation:
     cancel: bool = False
     started: float = field(default_factory=time.monotonic)
     applied: threading.Event = field(default_factory=threading.Event)   # set: the UI took the last batch
+    thread: threading.Thread | None = None
 
     def __post_init__(self):
         self.applied.set()
@@ -228,28 +229,44 @@ class ColiApp(App):
             opts["ram_gb"] = None            # --cap on the command line beats a configured budget
         return opts
 
-    @work(thread=True, exclusive=True, group="engine")
-    def load_engine(self, path: str) -> None:
-        from core.errors import ColiError
+    def _from_thread(self, fn, *args) -> None:
+        """Run fn on the UI from a background thread; nothing once the app has closed."""
         try:
-            from models import open_model
-            engine = open_model(path, **self._open_options())
-        except ColiError as e:
-            self.call_from_thread(self._engine_failed, path, str(e))
-            return
-        except Exception as e:
-            self.call_from_thread(self._engine_failed, path, f"{e.__class__.__name__}: {e}")
-            return
-        self.call_from_thread(self._engine_loaded, engine)
+            self.call_from_thread(fn, *args)
+        except RuntimeError:          # the app is not running any more
+            pass
 
-    def _engine_failed(self, path: str, error: str) -> None:
+    def load_engine(self, path: str) -> None:
+        """Open the model in a daemon thread (quitting never waits for it); a later load wins."""
+        self._load_seq = seq = getattr(self, "_load_seq", 0) + 1
+        options = self._open_options()
+
+        def load() -> None:
+            from core.errors import ColiError
+            try:
+                from models import open_model
+                engine = open_model(path, **options)
+            except ColiError as e:
+                self._from_thread(self._engine_failed, path, str(e), seq)
+                return
+            except Exception as e:
+                self._from_thread(self._engine_failed, path, f"{e.__class__.__name__}: {e}", seq)
+                return
+            self._from_thread(self._engine_loaded, engine, seq)
+        threading.Thread(target=load, name="coli-load", daemon=True).start()
+
+    def _engine_failed(self, path: str, error: str, seq: int | None = None) -> None:
+        if seq is not None and seq != self._load_seq:
+            return                    # an older load, superseded
         self.loading = False
         self.engine_error = error
         self.set_status(f"model not loaded: {error}")
         self.push_screen(MessageScreen("The model could not be opened", f"{path}\n\n{error}\n\n"
                                        "Fix it with F5 (settings) or `coli chat --model DIR`."))
 
-    def _engine_loaded(self, engine) -> None:
+    def _engine_loaded(self, engine, seq: int | None = None) -> None:
+        if seq is not None and seq != self._load_seq:
+            return                    # an older load, superseded
         old, self.engine = self.engine, engine
         if old is not None and old is not engine:
             for closer in (getattr(old.store, "close", None), getattr(old.container, "close", None)):
@@ -559,16 +576,22 @@ class ColiApp(App):
         self.generate(self.gen, messages, params, s.max_new_tokens)
         return True
 
-    @work(thread=True, exclusive=True, group="generate")
     def generate(self, gen: Generation, messages: list[dict], params, max_new_tokens: int) -> None:
+        """Run the reply in a daemon thread, not a Textual thread worker: the app's executor is
+        joined when the app exits, and quitting must never wait for a prefill to finish."""
         from .runner import run_generation
+        engine = self.engine
 
         def post(batch: dict) -> None:
             # thread-safe and non-blocking: the engine never waits for the UI to paint
             gen.applied.clear()
             self.post_message(BatchReady(gen, batch))
-        run_generation(self.engine, messages, params, max_new_tokens, post, cancelled=lambda: gen.cancel,
-                       ready=gen.applied.is_set)
+
+        def run() -> None:
+            run_generation(engine, messages, params, max_new_tokens, post, cancelled=lambda: gen.cancel,
+                           ready=gen.applied.is_set)
+        gen.thread = threading.Thread(target=run, name="coli-generate", daemon=True)
+        gen.thread.start()
 
     async def on_batch_ready(self, message: "BatchReady") -> None:
         try:
@@ -597,14 +620,14 @@ class ColiApp(App):
         self.gen = None
         if error and not gen.text:
             # nothing came back: undo the turn and give the prompt back
-            self.history.delete_message(gen.user_message_id)
-            if gen.widget is not None and gen.widget.is_attached:
-                if self.chat_id == gen.chat_id:
-                    await self.show_chat(gen.chat_id)
-            if not self.prompt_input.text.strip():
-                self.prompt_input.text = gen.prompt
+            await self._undo_turn(gen)
             self.notify(f"generation failed: {error}", severity="error")
             self.set_status(f"{self.model_name} · error: {error}")
+            return
+        if reason == "cancelled" and not gen.text:
+            # stopped before the first word (e.g. during a long prefill): undo the turn, keep the prompt
+            await self._undo_turn(gen)
+            self.set_status(f"{self.model_name} · stopped before the reply began · the prompt is back")
             return
         meta = fmt_meta(stats, reason)
         if error:
@@ -617,6 +640,15 @@ class ColiApp(App):
         if getattr(self, "_reopen_after", False):
             self._reopen_after = False
             self.resolve_and_load()
+
+    async def _undo_turn(self, gen: Generation) -> None:
+        """Nothing came back: the user's message leaves the chat and returns to the prompt."""
+        self.history.delete_message(gen.user_message_id)
+        if not self.prompt_input.text.strip():
+            self.prompt_input.text = gen.prompt
+        if gen.widget is not None and gen.widget.is_attached:
+            if self.chat_id == gen.chat_id:
+                await self.show_chat(gen.chat_id)
 
     def action_stop_reply(self) -> None:
         if self.gen is None:

@@ -22,6 +22,10 @@ from core.errors import ColiError
 from core.events import Done, Stats, Token
 
 
+class _StoppedEarly(Exception):
+    pass
+
+
 def snapshot(engine) -> tuple[dict | None, dict | None]:
     """placement and heat, read between two engine steps (retried if a prefetch thread races)."""
     for _ in range(3):
@@ -76,6 +80,8 @@ def run_generation(engine, messages, sampling, max_new_tokens: int, post: Callab
         rate_t0, rate_n = now, 0
 
     try:
+        if cancelled():               # stopped before it began: the engine clears its flag on start
+            raise _StoppedEarly()
         for ev in engine.generate(messages, sampling, stop=list(stop), max_new_tokens=max_new_tokens):
             if cancelled() and not cancel_sent:
                 engine.cancel()
@@ -99,6 +105,8 @@ def run_generation(engine, messages, sampling, max_new_tokens: int, post: Callab
                 reason = ev.reason
             if time.monotonic() - last_post >= interval and (pending or latest is not None) and ready():
                 flush()
+    except _StoppedEarly:
+        reason = "cancelled"
     except ColiError as e:
         error = str(e)
     except Exception as e:                     # still one line in the UI, never a traceback

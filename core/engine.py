@@ -117,6 +117,10 @@ class _Layer:
             spec.norm_topk_prob)
 
 
+class _Cancelled(Exception):
+    """Engine.cancel() reached a forward pass of a generation (between layers or expert batches)."""
+
+
 def _biased(y: np.ndarray, bias) -> np.ndarray:
     return y + bias if bias is not None else y
 
@@ -153,6 +157,7 @@ class Engine:
         self.rope = Rope(c.config, spec.head_dim)
         self.scale = np.float32(spec.head_dim ** -0.5)
         self._cancel = threading.Event()
+        self._cancel_checks = False      # True while generate() runs: forward() may stop early
         moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]
         # lookahead: after layer i's attention, the next MoE layer's norm + router predict its experts
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(spec.num_layers)}
@@ -283,6 +288,7 @@ class Engine:
             ranks = np.concatenate([k for _, k in picks])
             y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
             contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+            self._check_cancel()     # a prefill batch of experts can take a while
         if h.shape[0] == 1:
             return kernels.rank_sum(contrib[0], weights[0])
         return np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
@@ -321,6 +327,7 @@ class Engine:
             t2 = time.perf_counter()
             c["attention_s"] += t1 - t0
             c["experts_s"] += t2 - t1
+            self._check_cancel()
         cache.length += len(ids)
         t0 = time.perf_counter()
         x = rms_norm(x if all_logits else x[-1:], self.final_norm, s.rms_norm_eps)
@@ -352,7 +359,13 @@ class Engine:
 
     # --- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
+        """Stop the running generate() soon: before the next token, or within a prefill (between
+        chunks, layers and expert batches); it then ends with Done("cancelled")."""
         self._cancel.set()
+
+    def _check_cancel(self) -> None:
+        if self._cancel_checks and self._cancel.is_set():
+            raise _Cancelled()
 
     def prompt_ids(self, prompt: str | list[dict] | Sequence[int], raw: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple, np.ndarray)) and (len(prompt) == 0 or not isinstance(prompt[0], dict)):
@@ -376,9 +389,11 @@ class Engine:
             raise ColiError("empty prompt")
         self._cancel.clear()
         sample, cache = Sampler(sampling), self.new_cache()
+        self._cancel_checks = True
         try:
             yield from self._generate(ids, sample, cache, stop, max_new_tokens)
         finally:
+            self._cancel_checks = False
             self.recycle_cache(cache)
 
     def _generate(self, ids, sample, cache, stop, max_new_tokens):
@@ -388,9 +403,12 @@ class Engine:
         self.store.reset_stats()
         self.reset_counters()
         t0 = time.perf_counter()
-        logits = self.prefill(ids, cache)
-        t_prefill = time.perf_counter() - t0
         new, text, emitted, reason = [], "", 0, "length"
+        try:
+            logits = self.prefill(ids, cache)
+        except _Cancelled:
+            logits, reason = None, "cancelled"
+        t_prefill = time.perf_counter() - t0
         t_decode = time.perf_counter()
 
         def stats(final: bool) -> Stats:
@@ -410,7 +428,7 @@ class Engine:
                          decode_tok_s=steps / elapsed if steps and elapsed > 0 else 0.0,
                          hit_rate=st.get("hit_rate", 1.0), bytes_read=st.get("bytes_read", 0),
                          peak_rss_bytes=peak_rss_bytes(), extra=extra)
-        while len(new) < max_new_tokens:
+        while reason != "cancelled" and len(new) < max_new_tokens:
             if self._cancel.is_set():
                 reason = "cancelled"
                 break
@@ -434,7 +452,11 @@ class Engine:
             emitted = len(text) - hold
             if len(new) >= max_new_tokens:
                 break
-            logits = self.forward([tok], cache)[-1]
+            try:
+                logits = self.forward([tok], cache)[-1]
+            except _Cancelled:
+                reason = "cancelled"
+                break
         if reason != "stop":
             text += decoder.flush() if decoder is not None else ""
             if emitted < len(text):
