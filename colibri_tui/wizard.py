@@ -7,6 +7,10 @@
 4. convert (the converter's progress callback; resumable);
 5. verify (the container opens, a short generation runs) and open the chat.
 
+A repo the Hugging Face cache already holds is converted from the cache (nothing is fetched); a
+folder picked inside a cache snapshot is named after its repo, not its commit. After a download
+and conversion the wizard offers to delete the download (it can be hundreds of GB).
+
 The wizard's position is saved after every step in ``wizard.json`` under the user data dir, so a
 closed, cancelled or killed wizard continues where it stopped. Work runs in one thread worker; it
 only writes the latest progress into a dict that a 10 Hz timer paints (no per-chunk messages).
@@ -31,7 +35,10 @@ from textual.widgets import (Button, ContentSwitcher, DataTable, Footer, Header,
                              Static)
 
 from . import settings as settings_mod
+from .paths import logger
 from .tierpanel import human_bytes
+
+log = logger("wizard")
 
 STATE_FILE = "wizard.json"
 STEPS = ("choose", "where", "download", "convert", "verify", "done")
@@ -45,7 +52,7 @@ BITS = 4
 @dataclass
 class WizardState:
     step: str = "choose"
-    kind: str = ""               # 'hub' | 'folder' | 'container' | 'demo'
+    kind: str = ""               # 'hub' | 'folder' | 'container' | 'demo' ('folder': also a cache snapshot)
     repo: str = ""
     label: str = ""
     base_dir: str = ""
@@ -104,6 +111,16 @@ class _Cancelled(Exception):
     pass
 
 
+# the catalog's columns, the fit check ("Here") always among them: narrow terminals drop the rest
+COLUMNS = ("Model", "Family", "Params (active)", "Disk int4", "Download", "Min RAM", "Here")
+NARROW_COLUMNS = ("Model", "Params (active)", "Disk int4", "Here")
+NARROW_WIDTH = 110               # below this many cells, NARROW_COLUMNS
+
+
+def catalog_columns(width: int) -> tuple[str, ...]:
+    return NARROW_COLUMNS if width < NARROW_WIDTH else COLUMNS
+
+
 class SetupWizard(Screen):
     """Push it on the app; on success it sets ``settings.model``, hands the verified engine to the
     app (``app._engine_loaded``) and closes itself, which shows the chat."""
@@ -134,6 +151,8 @@ class SetupWizard(Screen):
         self._lock = threading.Lock()
         self._entries: dict[str, object] = {}
         self._fits: dict[str, object] = {}
+        self._columns: tuple[str, ...] = ()
+        self._finished = None              # (state, engine) while asking about the download
 
     # --- layout --------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -176,6 +195,10 @@ class SetupWizard(Screen):
                         yield Button("Cancel", variant="warning", id="cancel")
                         yield Button("Resume", variant="primary", id="resume")
                         yield Button("Start over", id="restart")
+                    yield Static("", id="source-question", classes="hint")
+                    with Horizontal(classes="buttons row", id="source-buttons"):
+                        yield Button("Delete the download", variant="error", id="delete-source")
+                        yield Button("Keep it", variant="primary", id="keep-source")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -188,10 +211,13 @@ class SetupWizard(Screen):
         except Exception:
             has_demo = False
         self.query_one("#demo", Button).disabled = not has_demo
+        self._show_source_question(False)
         if self.state.resumable:
             self._show_work(paused=True)
+            self._paint_paused()
             self._error(self.state.error or f"setup of {self.state.label} stopped at "
                                               f"{self.state.step}: Resume continues from there")
+            self.query_one("#resume", Button).focus()          # Enter resumes
         else:
             self.state = WizardState()
             self._go("choose")
@@ -216,8 +242,6 @@ class SetupWizard(Screen):
     def _fill_catalog(self) -> None:
         import psutil
         from models import catalog as cat
-        table = self.query_one("#catalog", DataTable)
-        table.add_columns("Model", "Family", "Params (active)", "Disk int4", "Download", "Min RAM", "Here")
         try:
             entries = self.catalog if self.catalog is not None else cat.load()
         except Exception as e:
@@ -229,13 +253,33 @@ class SetupWizard(Screen):
             f"This machine: {vm.total / 1e9:.0f} GB RAM ({vm.available / 1e9:.1f} GB available), "
             f"{cat.free_disk(base) / 1e9:.0f} GB free at {base}. Enter picks a model."))
         for e in entries:
-            f = cat.fit(e, base)
-            colour = {"ram": "green", "stream": "yellow"}.get(f.verdict, "red")
-            table.add_row(e.name, e.family, f"{e.params_b:.1f}B ({e.active_b:.1f}B)",
-                          f"{e.disk_gb:.1f} GB", f"{e.download_gb:.1f} GB", f"{e.min_ram_gb:.0f} GB",
-                          Text(f.short, style=colour), key=e.repo)
             self._entries[e.repo] = e
-            self._fits[e.repo] = f
+            self._fits[e.repo] = cat.fit(e, base)
+        self._fill_rows(self.app.size.width)
+
+    def _fill_rows(self, width: int) -> None:
+        """(Re)build the table for this terminal width; the fit check column always shows."""
+        columns = catalog_columns(width)
+        if columns == self._columns:
+            return
+        self._columns = columns
+        table = self.query_one("#catalog", DataTable)
+        row = table.cursor_row
+        table.clear(columns=True)
+        table.add_columns(*columns)
+        for e in self._entries.values():
+            f = self._fits[e.repo]
+            colour = {"ram": "green", "stream": "yellow"}.get(f.verdict, "red")
+            cells = {"Model": e.name, "Family": e.family, "Params (active)": f"{e.params_b:.1f}B ({e.active_b:.1f}B)",
+                     "Disk int4": f"{e.disk_gb:.1f} GB", "Download": f"{e.download_gb:.1f} GB",
+                     "Min RAM": f"{e.min_ram_gb:.0f} GB", "Here": Text(f.short, style=colour)}
+            table.add_row(*(cells[c] for c in columns), key=e.repo)
+        if table.row_count:
+            table.move_cursor(row=min(row, table.row_count - 1))
+
+    def on_resize(self, event) -> None:
+        if self._entries:
+            self._fill_rows(self.app.size.width)
 
     # --- step 1: choose ------------------------------------------------------------------------
     @on(DataTable.RowHighlighted, "#catalog")
@@ -261,6 +305,13 @@ class SetupWizard(Screen):
         self._choose_hub(repo, repo, 0.0)
 
     def _choose_hub(self, repo: str, label: str, need_gb: float) -> None:
+        from core.downloader import cached_snapshot
+        snap = cached_snapshot(repo)
+        if snap is not None:              # the Hugging Face cache has it: convert from there
+            self.state = WizardState(step="where", kind="folder", repo=repo, label=label, download_dir=str(snap))
+            self._where(f"{label} ({repo}) is in the Hugging Face cache ({snap}): nothing to download. "
+                        f"It will be converted into a colibrì container in a folder here.")
+            return
         self.state = WizardState(step="where", kind="hub", repo=repo, label=label, need_gb=need_gb)
         self._where(f"{label} ({repo}) will be downloaded into a folder here and converted beside it. "
                     + (f"It needs about {need_gb:.1f} GB." if need_gb else ""))
@@ -277,7 +328,10 @@ class SetupWizard(Screen):
             self.state = WizardState(step="verify", kind="container", label=p.name, container_dir=str(p))
             self._start()
         elif (p / "config.json").exists():
-            self.state = WizardState(step="where", kind="folder", label=p.name, download_dir=str(p))
+            from core.downloader import repo_from_cache_path
+            repo = repo_from_cache_path(p)           # a cache snapshot's folder is a commit hash
+            self.state = WizardState(step="where", kind="folder", repo=repo or "", label=repo or p.name,
+                                     download_dir=str(p))
             self._where(f"{p} will be converted into a colibrì container in a folder here.")
         elif not p.is_dir():
             self._error(f"{p}: no such folder")
@@ -349,7 +403,7 @@ class SetupWizard(Screen):
             st.container_dir = str(base / _slug(st.repo))
             st.step = "download"
         else:
-            st.container_dir = str(base / _slug(st.label))
+            st.container_dir = str(base / _slug(st.repo or st.label))
             st.step = "convert"
         self._start()
 
@@ -360,7 +414,7 @@ class SetupWizard(Screen):
         self.query_one("#resume", Button).display = paused
         self.query_one("#restart", Button).display = paused
         st = self.state
-        src = st.repo or st.download_dir or st.container_dir
+        src = (st.repo if st.kind == "hub" else st.download_dir or st.container_dir) or st.repo
         head = src if st.label in (src, Path(src).name) else f"{st.label} · {src}"
         self.query_one("#stage", Static).update(Text(head + (f" → {st.container_dir}"
                                                      if st.kind in ("hub", "folder") else "")))
@@ -375,6 +429,27 @@ class SetupWizard(Screen):
                           ("#convert-line", st.kind in ("hub", "folder")),
                           ("#convert-bar", st.kind in ("hub", "folder"))):
             self.query_one(wid).display = show
+
+    def _paint_paused(self) -> None:
+        """A paused setup shows how far it got (determinate bars), never an animated '--%'."""
+        st = self.state
+        bars = {b: self.query_one(b, ProgressBar) for b in ("#file-bar", "#total-bar", "#convert-bar")}
+        for bar in bars.values():
+            bar.update(total=1, progress=0)
+        if st.kind == "hub":
+            done, total = _downloaded_so_far(st.download_dir)
+            if st.step != "download":
+                done = total = max(total, 1)
+            bars["#total-bar"].update(total=max(1, total), progress=done)
+            self.query_one("#total-line", Static).update(Text(
+                f"downloaded {human_bytes(done)} of {human_bytes(total)}" if total else "download: not started"))
+            self.query_one("#file-line", Static).update("")
+        converted = st.step == "verify"
+        if converted:
+            bars["#convert-bar"].update(total=1, progress=1)
+        self.query_one("#convert-line", Static).update(
+            "converted" if converted else "convert: continues from its last finished shard"
+            if st.step == "convert" else "convert: after the download")
 
     def _start(self) -> None:
         if self.running:
@@ -406,11 +481,17 @@ class SetupWizard(Screen):
             self.query_one("#verify-line", Static).update("cancelling …")
 
     def action_close(self) -> None:
+        if self._finished is not None:        # asked about the download: closing keeps it
+            self._keep_source()
+            return
         self.cancel_event.set()
         self.dismiss(None)
 
     def on_unmount(self) -> None:
         self.cancel_event.set()       # the app is closing: stop the worker at its next check
+        if self._finished is not None:                # closed while asking about the download
+            _close_engine(self._finished[1])
+            self._finished = None
 
     def _set(self, **kw) -> None:
         with self._lock:
@@ -438,9 +519,10 @@ class SetupWizard(Screen):
 
     @work(thread=True, exclusive=True, group="wizard")
     def _run(self, st: WizardState, cancel: threading.Event) -> None:
-        from core.downloader import DownloadCancelled
+        from core.downloader import DownloadCancelled, NoSuchRepo
         from core.errors import ColiError
         engine = None
+        log.info("setup of %s (%s) from step %s", st.label, st.kind, st.step)
         try:
             if st.step == "download":
                 self._download(st, cancel)
@@ -456,9 +538,14 @@ class SetupWizard(Screen):
                 _close_engine(engine)            # the app closed meanwhile
         except (DownloadCancelled, _Cancelled):
             self._stopped_in_thread(st, f"cancelled at {st.step}: Resume continues from there")
+        except NoSuchRepo as e:               # a mistyped id: nothing to resume, back to the choice
+            log.info("%s", e)
+            if not self._post(self._no_such_repo, st, str(e)):
+                clear_state()
         except ColiError as e:
             self._stopped_in_thread(st, str(e).splitlines()[0] if str(e) else f"{st.step} failed")
-        except Exception as e:            # a bug: still one line
+        except Exception as e:            # a bug: still one line (the traceback goes to the log)
+            log.exception("setup failed at %s", st.step)
             self._stopped_in_thread(st, f"{st.step} failed: {e.__class__.__name__}: {e}")
 
     def _post(self, fn, *args) -> bool:
@@ -469,7 +556,20 @@ class SetupWizard(Screen):
         except Exception:
             return False
 
+    def _no_such_repo(self, st: WizardState, error: str) -> None:
+        self.running = False
+        clear_state()
+        self.state = WizardState()
+        if not self.is_attached:
+            return
+        self._go("choose")
+        self._error(error)
+        repo = self.query_one("#repo", Input)
+        repo.value = st.repo
+        repo.focus()
+
     def _stopped_in_thread(self, st: WizardState, error: str) -> None:
+        log.info("setup stopped at %s: %s", st.step, error)
         if not self._post(self._stopped, st, error):
             st.error = error                     # the app closed: still remember where we were
             self._save()
@@ -562,6 +662,50 @@ class SetupWizard(Screen):
         elif settings is not None:
             settings.model = ""
         clear_state()
+        if st.kind != "demo":
+            from .cli_models import remember
+            remember(st.container_dir)               # `coli list` knows it
+        log.info("setup of %s done: %s", st.label, st.container_dir)
+        size = _download_size(st)
+        if size and self.is_attached:               # the download is not needed any more: ask
+            self._finished = (st, engine)
+            self.query_one("#cancel", Button).display = False
+            self.query_one("#source-question", Static).update(Text(
+                f"{st.label} is converted. The download in {st.download_dir} ({human_bytes(size)}) is "
+                f"not needed to chat: delete it?"))
+            self._show_source_question(True)
+            self.query_one("#keep-source", Button).focus()
+            return
+        self._finish(st, engine)
+
+    def _show_source_question(self, show: bool) -> None:
+        self.query_one("#source-question").display = show
+        self.query_one("#source-buttons").display = show
+
+    @on(Button.Pressed, "#keep-source")
+    def _keep_source(self) -> None:
+        if self._finished is not None:
+            (st, engine), self._finished = self._finished, None
+            self._finish(st, engine)
+
+    @on(Button.Pressed, "#delete-source")
+    def _delete_source(self) -> None:
+        if self._finished is None:
+            return
+        (st, engine), self._finished = self._finished, None
+        import shutil
+        app = self.app
+        try:
+            shutil.rmtree(st.download_dir)
+            log.info("deleted the download %s", st.download_dir)
+            note = f"deleted {st.download_dir}"
+        except OSError as e:
+            note = f"could not delete {st.download_dir}: {e.strerror or e}"
+        self._finish(st, engine)
+        app.notify(note)
+
+    def _finish(self, st: WizardState, engine) -> None:
+        app = self.app
         if hasattr(app, "model_path"):
             app.model_path = None if st.kind != "demo" else st.container_dir
         if self.is_attached:
@@ -581,3 +725,26 @@ def _close_engine(engine) -> None:
                 closer()
         except Exception:
             pass
+
+
+def _downloaded_so_far(download_dir: str) -> tuple[int, int]:
+    """(bytes on disk, bytes in all) of an unfinished download, from its state file (no network)."""
+    from core.downloader import DownloadPlan, RemoteFile, read_state, remaining_bytes
+    state = read_state(download_dir) if download_dir else None
+    try:
+        plan = DownloadPlan(state["repo"], state["revision"], [RemoteFile(**f) for f in state["files"]])
+        return plan.total_bytes - remaining_bytes(download_dir, plan), plan.total_bytes
+    except (TypeError, KeyError, OSError):
+        return 0, 0
+
+
+def _download_size(st: WizardState) -> int:
+    """Bytes of the wizard's own download folder once converted (0: nothing of ours to delete). A
+    folder the user picked, or the Hugging Face cache, is not the wizard's to offer."""
+    from core.downloader import STATE
+    d = Path(st.download_dir) if st.kind == "hub" and st.download_dir else None
+    if d is None or not (d / STATE).is_file() or d.resolve() == Path(st.container_dir).resolve():
+        return 0
+    from .cli_models import dir_size
+    return dir_size(d)
+

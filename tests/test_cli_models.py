@@ -230,3 +230,41 @@ def test_download_uses_the_hf_cache(hub_cache, home, monkeypatch):
     assert cached_snapshot(REPO) is None
     assert coli("download", REPO, "--dir", home / "dl").returncode == 0
     assert hub.gets(shard.name) and (home / "dl" / shard.name).exists()
+
+
+def _rm_on_a_terminal(target, answer: str) -> str:
+    """`coli rm TARGET` on a real pseudo-terminal; types ``answer`` at the question."""
+    import select
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "colibri_tui", "rm", str(target)], cwd=ROOT,
+                            stdin=slave, stdout=slave, stderr=slave, env=os.environ.copy())
+    os.close(slave)
+    out, answered = b"", False
+    while True:
+        ready, _, _ = select.select([master], [], [], 60)
+        if not ready:
+            proc.kill()
+            raise AssertionError(f"no output from coli rm: {out!r}")
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:            # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+        if not answered and b"[y/N]" in out:
+            os.write(master, answer.encode() + b"\n")
+            answered = True
+    proc.wait(timeout=60)
+    os.close(master)
+    assert proc.returncode == 0, out
+    return out.decode(errors="replace")
+
+
+def test_rm_asks_on_a_terminal(home, hf_src):
+    target = home / "mine" / "asked"
+    assert coli("convert", hf_src, target).returncode == 0
+    out = _rm_on_a_terminal(target, "n")
+    assert f"remove {target.resolve()} (" in out and "nothing removed" in out and target.exists()
+    out = _rm_on_a_terminal(target, "y")
+    assert f"removed {target.resolve()}" in out and not target.exists()

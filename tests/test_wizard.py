@@ -65,6 +65,14 @@ def _text(screen, selector) -> str:
     return str(screen.query_one(selector).render())
 
 
+async def answer_download_question(pilot, wiz, button: str) -> None:
+    """After a download + conversion the wizard asks whether to delete the download."""
+    await wait_for(pilot, lambda: wiz.query_one("#source-buttons").display)
+    assert "not needed to chat: delete it?" in _text(wiz, "#source-question")
+    await wait_for(pilot, lambda: wiz.focused is wiz.query_one("#keep-source"), 5)   # the safe default
+    await pilot.click(button)
+
+
 def test_wizard_end_to_end_then_chat(env):
     tmp, hub = env
     from colibri_tui.app import ChatScreen
@@ -85,7 +93,10 @@ def test_wizard_end_to_end_then_chat(env):
             assert "GB free here" in _text(wiz, "#space")
             wiz.query_one("#base").value = str(tmp / "models")
             await pilot.click("#start")
+            assert (tmp / "models").exists()
+            await answer_download_question(pilot, wiz, "#delete-source")
             await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine is not None)
+            assert not (tmp / "models" / "tiny-moe-hf").exists()      # the download is gone
             assert app.settings.model == str(tmp / "models" / "tiny-moe")
             assert (tmp / "models" / "tiny-moe" / "colibri.json").exists()
             assert not state_path().exists()                      # finished: nothing to resume
@@ -125,8 +136,19 @@ def test_wizard_resumes_after_an_interruption_and_restart(env, monkeypatch):
             await wait_for(pilot, lambda: wizard_shown(app))
             wiz = app.screen
             assert wiz.query_one("#steps").current == "work" and wiz.query_one("#resume").display
-            await pilot.click("#resume")
+            await pilot.pause()
+            from textual.widgets import ProgressBar
+            bars = list(wiz.query(ProgressBar))
+            assert bars and all(b.total is not None for b in bars)           # no animated "--%"
+            assert "--%" not in "".join(str(b.query_one("#percentage").render()) for b in bars if b.display)
+            total = wiz.query_one("#total-bar", ProgressBar)
+            shard1 = (tmp / "models" / "tiny-moe-hf" / "model-00001-of-00002.safetensors").stat().st_size
+            assert shard1 + 50_000 < total.progress < total.total             # how far it got
+            assert _text(wiz, "#total-line").startswith("downloaded ")
+            await pilot.press("enter")                           # focus is on Resume: Enter resumes
+            await answer_download_question(pilot, wiz, "#keep-source")
             await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine is not None)
+        assert (tmp / "models" / "tiny-moe-hf" / SHARD2).exists()        # kept
         assert hub.gets(SHARD2) == ["bytes=50000-"]            # continued where it stopped
         assert hub.gets("model-00001-of-00002.safetensors") == [] and hub.gets("config.json") == []
 
@@ -151,10 +173,13 @@ def test_wizard_errors_are_one_line_then_a_local_folder(env, repo_dir):
             await pilot.click("#use-repo")
             wiz.query_one("#base").value = str(tmp / "models")
             await pilot.click("#start")
-            await wait_for(pilot, lambda: not wiz.running and wiz.query_one("#resume").display)
+            # a mistyped repo id: back to the choice with the id to correct, nothing to resume
+            await wait_for(pilot, lambda: not wiz.running and wiz.query_one("#steps").current == "choose")
             assert "acme/missing: no such model" in _text(wiz, "#error")
-            await pilot.click("#restart")                       # start over: back to the choice
-            await wait_for(pilot, lambda: wiz.query_one("#steps").current == "choose")
+            assert wiz.query_one("#repo").value == "acme/missing" and wiz.focused is wiz.query_one("#repo")
+            assert not (tmp / "models" / "missing-hf").exists()       # no empty folder left
+            from colibri_tui.wizard import pending_setup
+            assert pending_setup() is None
             hub.clear()
             wiz.query_one("#folder").value = str(repo_dir)     # a Hugging Face folder I already have
             await pilot.click("#use-folder")
@@ -201,9 +226,87 @@ def test_wizard_cancel_keeps_progress_for_the_next_start(env):
         async with app.run_test(size=(130, 45)) as pilot:
             await wait_for(pilot, lambda: wizard_shown(app))
             await pilot.click("#resume")
+            await answer_download_question(pilot, app.screen, "#keep-source")
             await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine is not None)
         (rng,) = hub.gets(SHARD2)
         assert rng.startswith("bytes=") and int(rng[6:-1]) > 0          # the partial file was kept
 
     asyncio.run(first())
     asyncio.run(second())
+
+
+def _fill_hf_cache(tmp, hub):
+    """REPO in the Hugging Face cache under HF_HOME, put there by huggingface_hub itself."""
+    from pathlib import Path
+
+    from huggingface_hub import snapshot_download
+    snap = Path(snapshot_download(REPO, cache_dir=tmp / "hf-home" / "hub", endpoint=hub.endpoint))
+    hub.clear()
+    return snap
+
+
+def test_wizard_converts_a_repo_from_the_hf_cache_without_fetching(env):
+    tmp, hub = env
+    from colibri_tui.app import ChatScreen
+    snap = _fill_hf_cache(tmp, hub)
+
+    async def run():
+        app = make_app()
+        async with app.run_test(size=(130, 45)) as pilot:
+            await wait_for(pilot, lambda: wizard_shown(app))
+            wiz = app.screen
+            table = wiz.query_one("#catalog")
+            await wait_for(pilot, lambda: table.row_count > 0)
+            table.focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: wiz.query_one("#steps").current == "where")
+            assert "is in the Hugging Face cache" in _text(wiz, "#where-what")
+            wiz.query_one("#base").value = str(tmp / "models")
+            await pilot.click("#start")
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine is not None)
+        assert hub.requests == []                                 # nothing fetched
+        assert app.settings.model == str(tmp / "models" / "tiny-moe")
+        assert not (tmp / "models" / "tiny-moe-hf").exists() and snap.is_dir()   # the cache is not ours
+    asyncio.run(run())
+
+
+def test_a_folder_in_a_cache_snapshot_is_named_after_its_repo(env):
+    tmp, hub = env
+    from colibri_tui.app import ChatScreen
+    snap = _fill_hf_cache(tmp, hub)
+    assert len(snap.name) == 40                                   # the folder is a commit hash
+
+    async def run():
+        app = make_app()
+        async with app.run_test(size=(130, 45)) as pilot:
+            await wait_for(pilot, lambda: wizard_shown(app))
+            wiz = app.screen
+            wiz.query_one("#folder").value = str(snap)
+            await pilot.click("#use-folder")
+            await wait_for(pilot, lambda: wiz.query_one("#steps").current == "where")
+            wiz.query_one("#base").value = str(tmp / "mine")
+            await pilot.click("#start")
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine is not None)
+        assert app.settings.model == str(tmp / "mine" / "tiny-moe")
+    asyncio.run(run())
+
+
+def test_the_fit_check_column_shows_at_80x24(env):
+    """At 80 columns the catalog drops Family/Download/Min RAM; the verdict column stays whole."""
+    tmp, hub = env
+
+    async def run():
+        app = make_app()
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_for(pilot, lambda: wizard_shown(app))
+            wiz = app.screen
+            table = wiz.query_one("#catalog")
+            await wait_for(pilot, lambda: table.row_count > 0)
+            await pilot.pause()
+            assert [str(c.label) for c in table.columns.values()][-1] == "Here"
+            assert table.virtual_size.width <= table.size.width              # nothing cut off
+            assert "in RAM ≤" in "".join(str(s) for s in table.render_lines(table.region.reset_offset))
+            await pilot.resize_terminal(130, 45)
+            await pilot.pause()
+            assert len(table.columns) == 7                                   # wide again: every column
+    asyncio.run(run())
