@@ -41,7 +41,7 @@ def _parse_ids(text: str) -> list[int]:
 def _add_model(p, store=True):
     p.add_argument("--model", metavar="DIR", default=os.environ.get("COLI_MODEL"),
                    help="a converted colibrì container (default: $COLI_MODEL, else the demo model)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: all cores)")
     p.add_argument("--int8-activations", action="store_true",
                    help="faster int4 products with x rounded to int8 (~0.5%% rms error; off by default)")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="float32",
@@ -50,9 +50,9 @@ def _add_model(p, store=True):
     if not store:
         return
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"),
+    g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"), metavar="G",
                    help="RAM for routed experts, in GB (default: automatic, or $COLI_RAM_GB)")
-    g.add_argument("--cap", type=int, default=None, help="at most N routed experts per layer in RAM")
+    g.add_argument("--cap", type=int, default=None, metavar="N", help="at most N routed experts per layer in RAM")
     p.add_argument("--policy", default=None, choices=POLICY_NAMES, help=POLICY_HELP)
     p.add_argument("--no-prefetch", action="store_true", help="no lookahead prefetch")
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
@@ -223,6 +223,11 @@ def cmd_convert(args) -> int:
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     remember(out)
     print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
+    from core.downloader import STATE
+    if (Path(args.src) / STATE).is_file():        # a `coli download` folder: say it can go
+        from .cli_models import dir_size
+        print(f"{args.src} ({dir_size(Path(args.src)) / 1e9:.2f} GB) is not needed to run {out}; "
+              f"delete it to free the space", file=sys.stderr)
     return 0
 
 

@@ -230,6 +230,8 @@ def test_download_uses_the_hf_cache(hub_cache, home, monkeypatch):
     assert cached_snapshot(REPO) is None
     assert coli("download", REPO, "--dir", home / "dl").returncode == 0
     assert hub.gets(shard.name) and (home / "dl" / shard.name).exists()
+    r = coli("convert", home / "dl", home / "dl-coli")          # the download is not needed after this
+    assert r.returncode == 0 and f"{home / 'dl'} (0.00 GB) is not needed to run" in r.stderr, r.stderr
 
 
 def _rm_on_a_terminal(target, answer: str) -> str:
