@@ -16,7 +16,8 @@ X-Linked-* headers) to another host (``localhost`` instead of ``127.0.0.1``), ``
 
 Fault injection: ``drop_after[filename] = n`` sends the headers and only ``n`` bytes of the body,
 then closes the connection (once); ``delay[filename] = s`` sleeps ``s`` between 16 KiB chunks;
-``corrupt`` (a set of names) flips one byte of the body, once.
+``corrupt`` (a set of names) flips one byte of the body, once; ``gated`` (repo ids) answers the
+model info with 403 ``GatedRepo``.
 ``requests`` records ``(method, path, range)`` of every request, ``auth`` the paths of requests
 that carried an Authorization header.
 """
@@ -62,6 +63,7 @@ class HubServer:
         self.drop_after: dict[str, int] = {}
         self.delay: dict[str, float] = {}
         self.corrupt: set[str] = set()
+        self.gated: set[str] = set()          # repo ids that answer 403 GatedRepo, as the Hub does
         self.cdn = False
         self.auth: list[str] = []
         self._lock = threading.Lock()
@@ -187,6 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
         if rid is None:
             return self._error(404, "RepoNotFound", "Repository not found")
         repo = self.hub.repos[rid]
+        if rid in self.hub.gated:
+            return self._error(403, "GatedRepo", "Access to this model is restricted")
         if len(rest) == 2 and rest[0] == "tree" and rest[1] in ("main", repo.sha):
             return self._tree(repo)
         if rest and (len(rest) != 2 or rest[0] != "revision" or rest[1] not in ("main", repo.sha)):

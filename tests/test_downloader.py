@@ -125,6 +125,11 @@ def test_clear_errors(hub, repo_dir, tmp_path):
     with pytest.raises(ColiError, match="no such model"):
         download("acme/nope", tmp_path / "mine")
     assert (tmp_path / "mine").is_dir()                        # a folder that was there stays
+    hub.gated.add(REPO)
+    with pytest.raises(ColiError, match=r"acme/tiny-moe is gated: accept its terms on 127\.0\.0\.1.*, then set "
+                                        r"HF_TOKEN to an access token from http://127\.0\.0\.1:\d+/settings/tokens"):
+        download(REPO, tmp_path / "g")
+    hub.gated.clear()
     with pytest.raises(ColiError, match="not a Hugging Face repo id"):
         plan_download("not a repo!")
 
