@@ -1,6 +1,7 @@
 """What a family tells the engine about its architecture: read from config.json once, validated."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .errors import ColiError
@@ -52,9 +53,48 @@ class ConfigReader:
             raise ColiError(f"{self.model_type} config: {key} must be a non-negative integer, got {value!r}")
         return value
 
+    def positive_int(self, key: str, optional: bool = False) -> int | None:
+        """An integer > 0 (None allowed, and returned, when ``optional`` and the value is absent)."""
+        value = self.get(key)
+        if optional and value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ColiError(f"{self.model_type} config: {key} must be a positive integer, got {value!r}")
+        return value
+
+    def number(self, key: str, optional: bool = False) -> float | None:
+        """A finite number > 0: epsilons, scales, clip values (0, negative, NaN or inf make the
+        forward pass meaningless)."""
+        value = self.get(key)
+        if optional and value is None:
+            return None
+        if not is_positive_number(value):
+            raise ColiError(f"{self.model_type} config: {key} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str) -> bool:
+        """A JSON boolean; the string "False" is not one (Python would read it as true)."""
+        value = self.get(key)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise ColiError(f"{self.model_type} config: {key} must be true or false, got {value!r}")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        value = self.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise ColiError(f"{self.model_type} config: {key} must be a list of integers, got {value!r}")
+        return value
+
     def refuse(self, condition: bool, what: str) -> None:
         if condition:
             raise ColiError(f"{self.model_type} config: {what} is not supported")
+
+
+def is_positive_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
 
 
 def eos_ids(config: dict, generation_config: dict | None) -> tuple[int, ...]:
@@ -73,22 +113,22 @@ def common_spec(r: ConfigReader, generation_config: dict | None, **kw) -> ArchSp
     heads, hidden = r.int("num_attention_heads"), r.int("hidden_size")
     if heads == 0 or hidden == 0:
         raise ColiError(f"{r.model_type} config: hidden_size and num_attention_heads must be > 0")
-    kv = r.get("num_key_value_heads") or heads
+    kv = r.positive_int("num_key_value_heads", optional=True) or heads
     if heads % kv:
         raise ColiError(f"{r.model_type} config: num_attention_heads ({heads}) is not a multiple of "
                         f"num_key_value_heads ({kv})")
-    head_dim = r.get("head_dim") or hidden // heads
+    head_dim = r.positive_int("head_dim", optional=True) or hidden // heads
     top_k, experts = r.int("num_experts_per_tok"), r.int("num_experts")
     if experts and not 0 < top_k <= experts:
         raise ColiError(f"{r.model_type} config: num_experts_per_tok ({top_k}) must be in 1..{experts}")
     layers = r.int("num_hidden_layers")
     spec = dict(vocab_size=r.int("vocab_size"), hidden_size=hidden, num_layers=layers,
                 num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-                rms_norm_eps=float(r.get("rms_norm_eps")), num_experts=experts, top_k=top_k,
-                norm_topk_prob=bool(r.get("norm_topk_prob")),
-                tie_word_embeddings=bool(r.get("tie_word_embeddings")),
+                rms_norm_eps=r.number("rms_norm_eps"), num_experts=experts, top_k=top_k,
+                norm_topk_prob=r.flag("norm_topk_prob"),
+                tie_word_embeddings=r.flag("tie_word_embeddings"),
                 eos_token_ids=eos_ids(r.config, generation_config),
-                max_position_embeddings=int(r.get("max_position_embeddings") or 0),
+                max_position_embeddings=r.positive_int("max_position_embeddings", optional=True) or 0,
                 mlp_kinds=["moe"] * layers, sliding_windows=[None] * layers, qk_norm="none")
     spec.update(kw)
     return ArchSpec(**spec)

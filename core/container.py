@@ -70,6 +70,32 @@ def weight_from_bytes(info: TensorInfo, raw: memoryview | bytes, qinfo: QuantInf
     return Weight(qinfo.scheme, qinfo.shape, arr, scales, qinfo.group_size)
 
 
+MAX_GROUP_SIZE = 1 << 16     # int4 groups larger than this are refused (the kernels size buffers by it)
+
+
+def _quant_entries(path: Path, tensors) -> dict[str, QuantInfo]:
+    """The manifest's per-tensor quantization, every field type- and range-checked."""
+    if not isinstance(tensors, dict):
+        raise ColiError(f"{path}: {MANIFEST}: 'tensors' is not a JSON object")
+    out = {}
+    for name, q in tensors.items():
+        def bad(why: str) -> ColiError:
+            return ColiError(f"{path}: {MANIFEST}: tensor {name}: {why}")
+        if not isinstance(q, dict):
+            raise bad("entry is not a JSON object")
+        scheme, shape, gs = q.get("scheme"), q.get("shape"), q.get("group_size", 0)
+        if scheme not in ("int4", "int8"):
+            raise bad(f"unknown scheme {scheme!r}")
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+            raise bad(f"shape {shape!r} is not two positive integers")
+        if scheme == "int4" and not (isinstance(gs, int) and not isinstance(gs, bool)
+                                     and 2 <= gs <= MAX_GROUP_SIZE and gs % 2 == 0):
+            raise bad(f"group_size {gs!r} is not an even integer in 2..{MAX_GROUP_SIZE}")
+        out[name] = QuantInfo(scheme, (shape[0], shape[1]), gs if scheme == "int4" else 0)
+    return out
+
+
 class Container:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -84,29 +110,63 @@ class Container:
             self.config = json.loads((self.path / "config.json").read_text())
         except FileNotFoundError as e:
             raise ColiError(f"{self.path}: missing {Path(e.filename).name}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ColiError(f"{self.path}: invalid JSON in {MANIFEST} or config.json ({e})") from None
+        if not isinstance(self.manifest, dict) or not isinstance(self.config, dict):
+            raise ColiError(f"{self.path}: {MANIFEST} and config.json must each hold a JSON object")
         if self.manifest.get("format") != FORMAT or self.manifest.get("format_version") != FORMAT_VERSION:
             raise ColiError(f"{self.path}: unsupported container format "
                             f"{self.manifest.get('format')} v{self.manifest.get('format_version')}")
-        self.quant: dict[str, QuantInfo] = {
-            n: QuantInfo(q["scheme"], tuple(q["shape"]), q.get("group_size", 0))
-            for n, q in self.manifest.get("tensors", {}).items()}
+        self.quant: dict[str, QuantInfo] = _quant_entries(self.path, self.manifest.get("tensors", {}))
+        shards = self.manifest.get("shards")
+        if not isinstance(shards, list) or not all(isinstance(x, str) and x for x in shards):
+            raise ColiError(f"{self.path}: {MANIFEST} has no valid list of shards")
         self.files: list[SafetensorsFile] = []
         self.index: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
-        for shard in self.manifest["shards"]:
-            p = self.path / shard
-            if not p.exists():
-                raise ColiError(f"{self.path}: shard {shard} is missing")
-            f = SafetensorsFile(p)
-            self.files.append(f)
-            for name, info in f.tensors.items():
-                self.index[name] = (f, info)
-        self.experts = self._locate_experts()
+        try:
+            for shard in shards:
+                p = self.path / shard
+                if Path(shard).name != shard or not p.is_file():
+                    raise ColiError(f"{self.path}: shard {shard} is missing")
+                f = SafetensorsFile(p)
+                self.files.append(f)
+                for name, info in f.tensors.items():
+                    if name in self.index:
+                        raise ColiError(f"{self.path}: tensor {name} is stored twice "
+                                        f"({self.index[name][0].path.name} and {shard})")
+                    self.index[name] = (f, info)
+            self._check_quantized()
+            self.experts = self._locate_experts()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+    def _check_quantized(self) -> None:
+        """Every quantized tensor's manifest entry against its stored bytes: the packed weight's
+        dtype and shape, and its scales (.qs) -- a wrong shape or group size would otherwise be
+        read as garbage, or size the kernels' buffers (a group of 2^30 took 5.3 GB)."""
+        for name, q in self.quant.items():
+            if name not in self.index:
+                raise ColiError(f"{self.path}: {MANIFEST} lists {name}, which no shard holds")
+            if name + ".qs" not in self.index:
+                raise ColiError(f"{self.path}: quantized tensor {name} has no scales ({name}.qs)")
+            info, sinfo = self.index[name][1], self.index[name + ".qs"][1]
+            rows, cols = q.shape
+            if q.scheme == "int4":
+                want = ((rows, (cols + 1) // 2), (rows, -(-cols // q.group_size)))
+            else:
+                want = ((rows, cols), (rows,))
+            got = (info.shape, sinfo.shape)
+            if info.dtype != "U8" or sinfo.dtype != "F32" or got != want:
+                raise ColiError(
+                    f"{self.path}: {name} does not match its {MANIFEST} entry ({q.scheme} "
+                    f"{rows}x{cols}" + (f", group size {q.group_size}" if q.scheme == "int4" else "")
+                    + f": expects U8 {list(want[0])} + F32 scales {list(want[1])}, stored "
+                    f"{info.dtype} {list(info.shape)} + {sinfo.dtype} {list(sinfo.shape)})")
 
     def __contains__(self, name: str) -> bool:
         return name in self.index

@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 
 from . import quant
-from .container import FORMAT, FORMAT_VERSION, MANIFEST, tensor_place
+from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_place
 from .errors import ColiError
 from .fileio import atomic_write_text
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter
@@ -242,8 +242,8 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
     src, out = Path(src), Path(out)
     if bits not in (4, 8, 16):
         raise ColiError(f"--bits must be 4, 8 or 16, not {bits}")
-    if group_size < 2 or group_size % 2:
-        raise ColiError(f"--group-size must be an even number >= 2, not {group_size}")
+    if group_size < 2 or group_size % 2 or group_size > MAX_GROUP_SIZE:
+        raise ColiError(f"--group-size must be an even number in 2..{MAX_GROUP_SIZE}, not {group_size}")
     if not src.is_dir():
         raise ColiError(f"{src}: no such directory")
     config = load_config(src)

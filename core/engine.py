@@ -141,8 +141,10 @@ class Engine:
         self.embed = c.load("model.embed_tokens.weight")
         if self.embed.shape[0] != spec.vocab_size:
             raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
-        if spec.tie_word_embeddings or "lm_head.weight" not in c:
+        if spec.tie_word_embeddings:
             self.head = self.embed
+        elif "lm_head.weight" not in c:      # never the embedding in silence: the logits would be wrong
+            raise ColiError(f"{c.path}: lm_head.weight is missing (tie_word_embeddings is false)")
         else:
             self.head = c.load("lm_head.weight")
         self.final_norm = kernels.vector(c.load("model.norm.weight"))

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from .arch import is_positive_number
 from .errors import ColiError
 
 DEFAULT_THETA = 10_000.0
@@ -28,6 +29,22 @@ def rope_parameters(config: dict) -> dict:
     return params
 
 
+# the rope_parameters fields that must be finite numbers > 0 where present (0, negative, NaN or
+# inf give NaN or meaningless angles); which of them a rope type needs is checked where it is read
+POSITIVE_FIELDS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                   "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow")
+
+
+def _check_numbers(p: dict) -> None:
+    for key in POSITIVE_FIELDS:
+        if p.get(key) is not None and not is_positive_number(p[key]):
+            raise ColiError(f"rope_parameters: {key} must be a finite number > 0, got {p[key]!r}")
+    for key in ("mscale", "mscale_all_dim"):
+        v = p.get(key)
+        if v is not None and not (is_positive_number(v) or v == 0):
+            raise ColiError(f"rope_parameters: {key} must be a finite number >= 0, got {v!r}")
+
+
 class Rope:
     def __init__(self, config: dict, head_dim: int):
         p = rope_parameters(config)
@@ -35,6 +52,7 @@ class Rope:
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ColiError(f"rope type '{kind}' is not supported (supported: "
                             f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+        _check_numbers(p)
         if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ColiError("partial_rotary_factor != 1 is not supported for this model type")
         dim = head_dim

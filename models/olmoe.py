@@ -25,6 +25,5 @@ class Olmoe:
         r.refuse(spec.head_dim * spec.num_heads != spec.hidden_size,
                  "head_dim different from hidden_size / num_attention_heads")
         r.refuse(spec.num_experts == 0, "num_experts = 0")
-        clip = r.get("clip_qkv")
-        spec.clip_qkv = float(clip) if clip is not None else None
+        spec.clip_qkv = r.number("clip_qkv", optional=True)
         return spec

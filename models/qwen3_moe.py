@@ -24,9 +24,9 @@ class Qwen3Moe:
         spec = common_spec(r, generation_config, qk_norm="per_head")
         step = r.int("decoder_sparse_step")
         r.refuse(step == 0 and spec.num_experts > 0, "decoder_sparse_step = 0")
-        dense_only = set(r.get("mlp_only_layers") or [])
+        dense_only = set(r.int_list("mlp_only_layers"))
         spec.mlp_kinds = ["moe" if (i not in dense_only and spec.num_experts > 0 and (i + 1) % step == 0)
                           else "dense" for i in range(spec.num_layers)]
-        if r.get("use_sliding_window") and r.get("sliding_window"):
-            spec.sliding_windows = [r.int("sliding_window")] * spec.num_layers
+        if r.flag("use_sliding_window") and r.get("sliding_window"):
+            spec.sliding_windows = [r.positive_int("sliding_window")] * spec.num_layers
         return spec

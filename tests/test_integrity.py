@@ -1,0 +1,161 @@
+"""Damaged containers and configs get one clear refusal, never a wrong answer (issue 16): each
+case mutates one file of a real converted container and runs the real command line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from colibri_tui.cli import main as coli
+from core.container import MANIFEST
+from tests.conftest import tiny_config, write_hf_model
+
+RUN = ["--ids", "1,2,3", "--max-new-tokens", "3", "--greedy", "--threads", "1", "--json"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("integrity")
+    src = write_hf_model(d / "src", tiny_config())
+    assert coli(["convert", str(src), str(d / "c"), "--bits", "4"]) == 0
+    return d / "c"
+
+
+@pytest.fixture
+def container(pristine, tmp_path):
+    import shutil
+    out = tmp_path / "c"
+    shutil.copytree(pristine, out)
+    return out
+
+
+def _edit_json(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _one_error_line(capsys, args) -> str:
+    capsys.readouterr()
+    assert coli(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("coli: error:"), err
+    return err[0]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: c["rope_parameters"].update(rope_theta=0), "rope_theta must be a finite number > 0"),
+    (lambda c: c["rope_parameters"].update(rope_theta=-10000.0), "rope_theta"),
+    (lambda c: c["rope_parameters"].update(rope_theta=float("nan")), "rope_theta"),
+    (lambda c: c.pop("rope_parameters") and c.update(rope_theta=0.0), "rope_theta"),     # older configs
+    (lambda c: c["rope_parameters"].update(rope_theta="1e4"), "rope_theta"),
+    (lambda c: c.pop("rope_parameters") and c.update(rope_theta=10000.0,
+                                                     rope_scaling={"rope_type": "linear", "factor": 0}),
+     "factor must be a finite number > 0"),
+    (lambda c: c.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": -2.0}), "factor"),
+    (lambda c: c.update(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0"),
+    (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps"),
+    (lambda c: c.update(rms_norm_eps=float("inf")), "rms_norm_eps"),
+    (lambda c: c.update(tie_word_embeddings="False"), "tie_word_embeddings must be true or false"),
+    (lambda c: c.update(norm_topk_prob=1), "norm_topk_prob must be true or false"),
+    (lambda c: c.update(head_dim=0), "head_dim must be a positive integer"),
+    (lambda c: c.update(num_key_value_heads="2"), "num_key_value_heads"),
+    (lambda c: c.update(max_position_embeddings=-1), "max_position_embeddings"),
+    (lambda c: c.update(mlp_only_layers="0"), "mlp_only_layers must be a list of integers"),
+    (lambda c: c.update(use_sliding_window="yes"), "use_sliding_window"),
+])
+def test_meaningless_config_values_are_refused(container, capsys, change, match):
+    _edit_json(container / "config.json", change)
+    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    assert match.split("|")[0] in line, line
+
+
+def test_valid_configs_still_run(container, capsys):
+    _edit_json(container / "config.json", lambda c: c.update(rms_norm_eps=1e-5, tie_word_embeddings=False))
+    assert coli(["run", "--model", str(container), *RUN]) == 0
+
+
+def test_a_missing_lm_head_is_an_error_not_the_embedding(container, capsys):
+    """With tie_word_embeddings false, the embedding is not an output head."""
+    from core.safetensors_io import SafetensorsFile, SafetensorsWriter
+    other = container / "model-other.safetensors"
+    f = SafetensorsFile(other)
+    keep = {n: (t.dtype, t.shape, f.raw(n)) for n, t in f.tensors.items() if not n.startswith("lm_head.")}
+    f.close()
+    w = SafetensorsWriter(other, [(n, d, s) for n, (d, s, _) in keep.items()])
+    for n, (_, _, a) in keep.items():
+        w.write(n, a)
+    w.commit()
+    _edit_json(container / MANIFEST, lambda m: [m["tensors"].pop(k) for k in list(m["tensors"]) if k.startswith("lm_head.")])
+    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    assert "lm_head.weight is missing" in line
+
+
+def _first_int4(manifest) -> str:
+    return next(n for n, q in manifest["tensors"].items() if q["scheme"] == "int4")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda q: q.update(group_size=1 << 30), "group_size"),
+    (lambda q: q.update(group_size=8), "does not match"),           # a group size that fits no .qs
+    (lambda q: q.update(shape=[q["shape"][0], q["shape"][1] + 2]), "does not match"),
+    (lambda q: q.update(shape=[q["shape"][0] * 2, q["shape"][1]]), "does not match"),
+    (lambda q: q.update(shape=["4", 8]), "shape"),
+    (lambda q: q.update(scheme="int3"), "unknown scheme"),
+    (lambda q: q.update(scheme="int8"), "does not match"),
+])
+def test_manifest_entries_are_checked_against_the_stored_tensors(container, capsys, change, match):
+    def edit(m):
+        change(m["tensors"][_first_int4(m)])
+    _edit_json(container / MANIFEST, edit)
+    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    assert match in line and MANIFEST in line, line
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.update(shards="layer-000.safetensors"),
+    lambda m: m.update(tensors=[1]),
+    lambda m: m["shards"].append("../../etc/passwd"),
+    lambda m: m["tensors"].update({"nope.weight": {"scheme": "int8", "shape": [2, 2]}}),
+    lambda m: m["tensors"].update({"x": "int4"}),
+])
+def test_manifest_structure_damage_is_one_line(container, capsys, change):
+    _edit_json(container / MANIFEST, change)
+    _one_error_line(capsys, ["info", "--model", str(container)])
+
+
+def test_a_deeply_nested_manifest_is_one_line(container, capsys):
+    (container / MANIFEST).write_text("[" * 100000 + "]" * 100000)
+    _one_error_line(capsys, ["info", "--model", str(container)])
+
+
+def test_a_quantized_tensor_without_scales_is_named(container, capsys):
+    from core.safetensors_io import SafetensorsFile, SafetensorsWriter
+    m = json.loads((container / MANIFEST).read_text())
+    name = _first_int4(m)
+    shard = next(p for p in sorted(container.glob("*.safetensors"))
+                 if name + ".qs" in SafetensorsFile(p).tensors)
+    f = SafetensorsFile(shard)
+    keep = {n: (t.dtype, t.shape, f.raw(n)) for n, t in f.tensors.items() if n != name + ".qs"}
+    f.close()
+    w = SafetensorsWriter(shard, [(n, d, s) for n, (d, s, _) in keep.items()])
+    for n, (_, _, a) in keep.items():
+        w.write(n, a)
+    w.commit()
+    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    assert f"{name} has no scales" in line
+
+
+def test_the_converter_refuses_a_huge_group_size(tmp_path, capsys):
+    src = write_hf_model(tmp_path / "src", tiny_config())
+    line = _one_error_line(capsys, ["convert", str(src), str(tmp_path / "o"), "--group-size", str(1 << 30)])
+    assert "--group-size" in line
+
+
+def test_unchanged_containers_give_the_same_logits(container, tmp_path, capsys):
+    """The checks refuse damage only: a pristine container's logits are those of main."""
+    out = tmp_path / "l.npy"
+    assert coli(["logits", "--model", str(container), "--ids", "1,2,3,4", "--out", str(out), "--threads", "1"]) == 0
+    logits = np.load(out)
+    assert np.isfinite(logits).all() and logits.shape[0] == 4
