@@ -22,6 +22,7 @@ from textual.widgets import Footer, Header, Label, ListItem, ListView, Static
 from . import settings as settings_mod
 from .chatview import AssistantMessage, MessageList, PromptInput, UserMessage, code_blocks
 from .history import History, export_path, title_from
+from .safetext import one_line, visible
 from .screens import ChatSettingsScreen, ConfirmScreen, MessageScreen, SettingsScreen, TextPrompt
 from .settings import Settings
 from .tierpanel import TierPanel, human_bytes
@@ -62,7 +63,7 @@ class BatchReady(Message):
 
 class ChatItem(ListItem):
     def __init__(self, chat_id: int, title: str):
-        super().__init__(Label(Text(title), classes="chat-title"))
+        super().__init__(Label(Text(one_line(title)), classes="chat-title"))
         self.chat_id, self.title = chat_id, title
 
 
@@ -164,9 +165,19 @@ class ColiApp(App):
     def set_status(self, text: str) -> None:
         from textual.css.query import NoMatches
         try:
-            self._q("#status", Static).update(Text(text))
+            self._q("#status", Static).update(Text(one_line(text)))
         except NoMatches:          # closing
             pass
+
+    def show_title(self, chat_title: str) -> None:
+        self.title = f"colibrì · {one_line(chat_title)}"
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = True) -> None:
+        """Every toast as plain text: messages carry chat titles, paths and error text, which
+        are untrusted (no control sequence, no Rich markup)."""
+        super().notify(one_line(str(message)), title=one_line(title), severity=severity, timeout=timeout,
+                       markup=False)
 
     # --- start-up ------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -290,7 +301,7 @@ class ColiApp(App):
         from .runner import snapshot
         placement, heat = snapshot(e)
         self.tier_panel.push(placement=placement, heat=heat, slot_bytes=self.slot_bytes)
-        self.sub_title = self.model_name
+        self.sub_title = one_line(self.model_name)
         self.set_status(f"{self.model_name} · ready · Enter sends, Shift+Enter or Ctrl+J newline, Esc stops")
 
     # --- chats ---------------------------------------------------------------------------------
@@ -335,7 +346,7 @@ class ColiApp(App):
         view.scroll_end(animate=False)
         chat = self.history.get(chat_id)
         if chat:
-            self.title = f"colibrì · {chat.title}"
+            self.show_title(chat.title)
         self._select_current_chat()
 
     @on(ListView.Selected, "#chat-list")
@@ -360,7 +371,7 @@ class ColiApp(App):
             if title is not None and title.strip():
                 self.history.rename(chat.id, title)
                 self.refresh_chat_list()
-                self.title = f"colibrì · {self.history.get(chat.id).title}"
+                self.show_title(self.history.get(chat.id).title)
         self.push_screen(TextPrompt("Rename chat", chat.title), done)
 
     def action_delete_chat(self) -> None:
@@ -386,16 +397,18 @@ class ColiApp(App):
         chat = self.history.get(self.chat_id)
         if chat is None:
             return None
+        from core.errors import ColiError
+        from core.fileio import atomic_write_text
         path = export_path(chat)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(self.history.export_markdown(chat.id))
-            os.replace(tmp, path)
-        except OSError as e:
+            # the file gets cat'ed in terminals too: controls made visible, as on screen
+            atomic_write_text(path, visible(self.history.export_markdown(chat.id)))
+        except (OSError, ColiError) as e:
             self.notify(f"export failed: {e}", severity="error")
             return None
-        self.notify(f"exported to {path}")
+        self.notify(f"chat exported to {path}", title="Export", timeout=12)
+        self.set_status(f"exported to {path}")
         return path
 
     def action_chat_settings(self) -> None:
@@ -560,7 +573,7 @@ class ColiApp(App):
         msg_id = self.history.add_message(chat.id, "user", text)
         if first and chat.title in ("New chat", "Untitled"):
             self.history.rename(chat.id, title_from(text))
-            self.title = f"colibrì · {self.history.get(chat.id).title}"
+            self.show_title(self.history.get(chat.id).title)
         messages = self.history.engine_messages(chat.id)
         view = self.messages_view
         for w in view.query("#empty"):
@@ -626,8 +639,8 @@ class ColiApp(App):
             return
         if reason == "cancelled" and not gen.text:
             # stopped before the first word (e.g. during a long prefill): undo the turn, keep the prompt
-            await self._undo_turn(gen)
             self.set_status(f"{self.model_name} · stopped before the reply began · the prompt is back")
+            await self._undo_turn(gen)
             return
         meta = fmt_meta(stats, reason)
         if error:

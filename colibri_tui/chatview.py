@@ -17,6 +17,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static, TextArea
 
+from .safetext import visible
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 NEWLINE_KEYS = ("shift+enter", "ctrl+j", "alt+enter")
 
@@ -108,8 +110,9 @@ class UserMessage(SelectableMessage, Static, can_focus=True):
     """
 
     def __init__(self, content: str, **kw):
-        super().__init__(Text(content), **kw)
-        self.content = content
+        # saved text is untrusted: no control reaches the terminal, no markup is parsed (Static's
+        # ``content`` is the text itself)
+        super().__init__(visible(content), markup=False, **kw)
 
 
 class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
@@ -126,7 +129,7 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
 
     def __init__(self, content: str = "", streaming: bool = False, meta: str = "", **kw):
         super().__init__(**kw)
-        self.content = content
+        self.content = visible(content)     # model text is untrusted: controls made visible
         self.streaming = streaming
         self._meta = meta
         self._sent = ""                # answer text already written to the Markdown stream
@@ -141,7 +144,7 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
             yield self._collapsible
         self._sent = answer
         yield Markdown(answer)
-        yield Label(self._meta, classes="meta")
+        yield Label(Text(visible(self._meta)), classes="meta")
 
     def copy_text(self) -> str:
         """The answer as written (Markdown source), without the thinking; the thinking while
@@ -157,7 +160,7 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
         """Add streamed text (a batch of tokens)."""
         if not text:
             return
-        self.content += text
+        self.content += visible(text)
         if not self.query(Markdown):
             return                       # not composed yet: compose/the next append shows it
         thinking, answer, open_ = split_think(self.content)
@@ -210,7 +213,7 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
 
     def set_meta(self, meta: str) -> None:
         self._meta = meta
-        self.query_one(".meta", Label).update(meta)
+        self.query_one(".meta", Label).update(Text(visible(meta)))
 
 
 class MessageList(VerticalScroll):

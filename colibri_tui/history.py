@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .settings import Sampling, data_dir
+from .settings import Sampling, data_dir, export_dir
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS chats (
@@ -169,7 +169,7 @@ class History:
 
 
 def export_path(chat: Chat, directory: Path | None = None) -> Path:
-    directory = directory or (data_dir() / "exports")
+    directory = directory or export_dir()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", chat.title).strip("-").lower()[:40] or "chat"
     return directory / f"{chat.id:04d}-{slug}.md"
 

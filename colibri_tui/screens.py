@@ -1,12 +1,14 @@
 """Modal screens: a message, a one-line prompt, a confirmation, chat settings, app settings."""
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static, TextArea
 
+from .safetext import one_line, visible
 from .settings import POLICIES, Sampling, Settings
 
 MODAL_CSS = """
@@ -34,8 +36,9 @@ class MessageScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.title_text, classes="title", id="message-title")
-            yield Static(self.body, id="message-body", markup=False)
+            # the body quotes paths and error text: untrusted, shown as plain visible text
+            yield Label(Text(one_line(self.title_text)), classes="title", id="message-title")
+            yield Static(Text(visible(self.body)), id="message-body", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button(self.button, variant="primary", id="ok")
 
@@ -53,8 +56,8 @@ class TextPrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.title_text, classes="title")
-            yield Input(self.value, id="value")
+            yield Label(Text(one_line(self.title_text)), classes="title")
+            yield Input(one_line(self.value), id="value")
             with Horizontal(classes="buttons"):
                 yield Button("Cancel", id="cancel")
                 yield Button("OK", variant="primary", id="ok")
@@ -79,7 +82,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.question, classes="title")
+            yield Label(Text(one_line(self.question)), classes="title")
             with Horizontal(classes="buttons"):
                 yield Button("Cancel", id="no")
                 yield Button("Delete", variant="error", id="yes")
@@ -130,10 +133,10 @@ class ChatSettingsScreen(ModalScreen[tuple | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(f"Chat settings · {self.chat_title}", classes="title")
+            yield Label(Text(f"Chat settings · {one_line(self.chat_title)}"), classes="title")
             with VerticalScroll():
                 yield Label("system prompt")
-                yield TextArea(self.system_prompt, id="system")
+                yield TextArea(visible(self.system_prompt), id="system")
                 yield from _sampling_fields(self.sampling)
             yield Label("", classes="error", id="error")
             with Horizontal(classes="buttons"):
@@ -147,7 +150,7 @@ class ChatSettingsScreen(ModalScreen[tuple | None]):
         try:
             s = _read_sampling(self)
         except ValueError as e:
-            self.query_one("#error", Label).update(str(e))
+            self.query_one("#error", Label).update(Text(one_line(str(e))))
             return
         self.dismiss((self.query_one("#system", TextArea).text, s))
 
@@ -172,7 +175,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
         with Vertical():
             yield Label("Settings", classes="title")
             with VerticalScroll():
-                yield _field("model folder", Input(s.model, id="model", placeholder="(the demo model)"))
+                yield _field("model folder", Input(one_line(s.model), id="model", placeholder="(the demo model)"))
                 yield _field("RAM budget (GB)", Input("" if s.ram_gb is None else str(s.ram_gb), id="ram_gb",
                                                       placeholder="automatic"))
                 yield _field("cache policy", Select([(p, p) for p in POLICIES], value=s.policy,
@@ -186,9 +189,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 yield Label("default sampling for new chats", classes="note")
                 yield from _sampling_fields(s.sampling)
                 if s.overridden:
-                    yield Label("set by the environment (not saved): " +
-                                ", ".join(f"{k} ({v})" for k, v in s.overridden.items()), classes="note")
-                yield Label(f"saved to {self.path}", classes="note")
+                    yield Label(Text(one_line("set by the environment (not saved): " +
+                                ", ".join(f"{k} ({v})" for k, v in s.overridden.items()))), classes="note")
+                yield Label(Text(one_line(f"saved to {self.path}")), classes="note")
             yield Label("", classes="error", id="error")
             with Horizontal(classes="buttons"):
                 yield Button("Cancel", id="cancel")
@@ -211,7 +214,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             out.validate()
         except ValueError as e:
             msg = str(e) if "must" in str(e) else "RAM budget and threads must be numbers"
-            self.query_one("#error", Label).update(msg)
+            self.query_one("#error", Label).update(Text(one_line(msg)))
             return
         self.dismiss(out)
 

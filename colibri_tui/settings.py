@@ -36,6 +36,19 @@ def config_path() -> Path:
     return config_dir() / "config.toml"
 
 
+def export_dir() -> Path:
+    """Where F7 writes chats as Markdown: a folder the user can find (Documents/colibri),
+    not the hidden data dir. ``COLI_EXPORT_DIR`` moves it; with ``COLI_DATA_DIR`` set (tests,
+    a portable install) exports stay beside the data, under ``exports``."""
+    env = os.environ.get("COLI_EXPORT_DIR")
+    if env:
+        return Path(env)
+    if os.environ.get("COLI_DATA_DIR"):
+        return data_dir() / "exports"
+    from platformdirs import user_documents_dir
+    return Path(user_documents_dir()) / APP_NAME
+
+
 @dataclass
 class Sampling:
     """Per-chat sampling (the defaults live in the config)."""

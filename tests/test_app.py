@@ -66,7 +66,8 @@ def test_send_streams_markdown_reply_and_tier_panel(container, dirs):
             assert app.prompt_input.text == ""                 # sent
             await wait_for(pilot, lambda: app.gen is None and batches and batches[-1]["final"])
             reply = app.query(AssistantMessage).last()
-            assert reply.content and reply.content == app.history.messages(app.chat_id)[-1].content
+            from colibri_tui.safetext import visible        # shown with controls made visible
+            assert reply.content and reply.content == visible(app.history.messages(app.chat_id)[-1].content)
             assert batches[-1]["stats"]["new_tokens"] == 24
             # batched: fewer UI calls than tokens
             assert len(batches) < 24

@@ -124,3 +124,83 @@ def test_ctrl_q_quits_during_a_long_prefill_at_once(slow_model, dirs):
     print(f"Ctrl+Q during prefill: app exited in {took:.3f} s")
     assert took <= RESPONSE_S, f"Ctrl+Q took {took:.2f} s during prefill"
     assert not app.is_running
+
+
+# every C0 control, DEL, every C1 control, then: clear screen (CSI), set the window title and
+# write the clipboard (OSC), a reset (ESC c) and Rich markup
+EVIL = ("".join(chr(c) for c in range(0x20)) + "\x7f" + "".join(chr(c) for c in range(0x80, 0xA0))
+        + "\x1b[2J\x1b[H\x1b]0;pwned\x07\x1b]52;c;aGk=\x1b\\\x1bc [bold]markup[/bold] [/]")
+
+
+def terminal_controls(app) -> set[str]:
+    """Control characters in what the app would write to the terminal as cell text."""
+    bad = set()
+    for strip in app.screen._compositor.render_strips():
+        for seg in strip:
+            bad.update(f"{ord(ch):#04x}" for ch in seg.text if ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0)
+    return bad
+
+
+def screen_text(app) -> str:
+    return "\n".join("".join(seg.text for seg in strip) for strip in app.screen._compositor.render_strips())
+
+
+def test_visible_maps_every_control():
+    from colibri_tui.safetext import one_line, safe_markup, visible
+    out = visible(EVIL)
+    assert len(out) == len(EVIL)                     # one for one (streaming compares lengths)
+    assert not [c for c in out if ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0]
+    assert "␛[2J" in out and "␇" in out and "␎" in out and "\u2421" in out and "\n" in out and "\t" in out
+    assert "\n" not in one_line("a\nb\tc") and safe_markup("[bold]x") == "\\[bold]x"
+    assert visible("plain text, ünïcode ✓") == "plain text, ünïcode ✓"
+
+
+def test_untrusted_text_never_reaches_the_terminal(tiny_model, dirs, monkeypatch):
+    from colibri_tui.chatview import AssistantMessage
+    monkeypatch.setenv("COLI_EXPORT_DIR", str(dirs / "exports"))
+
+    async def run():
+        app = make_app(tiny_model)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            chat = app.history.new_chat(title="title " + EVIL)
+            app.history.add_message(chat.id, "user", "question " + EVIL)
+            app.history.add_message(chat.id, "assistant", "<think>" + EVIL + "</think>answer " + EVIL,
+                                    {"stats": {"new_tokens": 1}, "reason": EVIL})
+            app.refresh_chat_list()
+            await app.show_chat(chat.id)       # a saved chat holding \x1b[2J, opened
+            await pilot.pause(0.3)
+            assert terminal_controls(app) == set()
+            text = screen_text(app)
+            assert "␛[2J" in text and "question" in text and "answer" in text
+            assert "␛" in app.title and "\x1b" not in app.title
+            # a reply streaming control bytes
+            view = app.messages_view
+            w = AssistantMessage("", streaming=True)
+            await view.mount(w)
+            for piece in ("streamed ", EVIL[:40], EVIL[40:], " end"):
+                await w.append(piece)
+            await w.finish(EVIL)
+            await pilot.pause(0.3)
+            assert terminal_controls(app) == set()
+            # toasts: controls and markup as plain text
+            app.notify("toast " + EVIL, title=EVIL)
+            await pilot.pause(0.3)
+            assert terminal_controls(app) == set()
+            assert "[bold]markup[/bold]" in screen_text(app)
+            app.set_status("status " + EVIL)
+            await pilot.pause()
+            assert terminal_controls(app) == set()
+            # dialogs quoting the title (rename, delete)
+            await pilot.press("f6")
+            await pilot.pause()
+            assert terminal_controls(app) == set()
+            await pilot.press("escape", "f8")
+            await pilot.pause()
+            assert terminal_controls(app) == set() and "[bold]markup[/bold]" in screen_text(app)
+            await pilot.press("escape")
+            # the export file: controls made visible too
+            path = app.action_export_chat()
+            body = path.read_text()
+            assert path.parent == dirs / "exports" and "␛[2J" in body and "\x1b" not in body
+    asyncio.run(run())
