@@ -25,6 +25,7 @@ from . import quant
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_place
 from .errors import ColiError
 from .fileio import atomic_write_text
+from .integrity import ALGORITHM, shard_digest
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
@@ -338,12 +339,18 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                     except BaseException:
                         w.abort()
                         raise
-                    journal["done"][name] = True
+                    # hashed now, while the shard is most likely still in the page cache
+                    journal["done"][name] = {ALGORITHM: shard_digest(out / name)}
                     atomic_write_text(journal_path, json.dumps(journal))
                 done = sum(cost(o) for _, outs in plan[: i + 1] for o in outs)
                 if progress:
                     progress(Progress(done, total, name, i, len(plan)))
             finalize(out)
+            checksums = {}
+            for name, _ in plan:      # a shard finished by an older converter has no digest yet
+                rec = journal["done"].get(name)
+                digest = rec.get(ALGORITHM) if isinstance(rec, dict) else None
+                checksums[name] = digest if isinstance(digest, str) else shard_digest(out / name)
             quantized = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
                                          **({"group_size": group_size} if o.scheme == "int4" else {})}
                          for _, outs in plan for o in outs if o.scheme in ("int4", "int8")}
@@ -353,6 +360,7 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                 "classes": _class_summary(bits, group_size),
                 "shards": [name for name, _ in plan],
                 "tensors": dict(sorted(quantized.items())),
+                "checksums": checksums,      # SHA-256 per shard: coli verify (core.integrity)
                 **(manifest_extra or {}),
             }
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
