@@ -90,13 +90,27 @@ class ChatScreen(Screen):
         Binding("f6", "app.rename_chat", "Rename", priority=True),
         Binding("f7", "app.export_chat", "Export", priority=True),
         Binding("f8", "app.delete_chat", "Delete", priority=True),
+        # chat switching from anywhere, whatever has the focus (also the palette)
+        Binding("ctrl+pagedown,alt+pagedown", "app.switch_chat(1)", "Next chat", show=False, priority=True),
+        Binding("ctrl+pageup,alt+pageup", "app.switch_chat(-1)", "Previous chat", show=False, priority=True),
         # select a message to copy it (c) or its code blocks (y): see chatview.SelectableMessage
         Binding("alt+up", "app.select_message(-1)", "Select message", show=False, priority=True),
         Binding("alt+down", "app.select_message(1)", "Select message", show=False, priority=True),
     ]
+    # Below these widths a side panel collapses (the chat keeps the columns); its toggle key
+    # (F3, F2) then opens it as an overlay over the chat.
+    CHATS_INLINE_MIN = 120       # 30 (chat list) + 44 (tier panel) + a 46-column chat
+    TIERS_INLINE_MIN = 100       # 44 (tier panel) + a 56-column chat
     DEFAULT_CSS = """
+    #body { layers: base overlay; }
     #chats { width: 30; border-right: tall $primary 40%; }
     #chats.-hidden { display: none; }
+    ChatScreen.-narrow-chats #chats { display: none; dock: left; layer: overlay; height: 100%;
+                                      background: $surface; border-right: thick $accent; }
+    ChatScreen.-narrow-chats #chats.-open { display: block; }
+    ChatScreen.-narrow-tiers #tiers { display: none; dock: right; layer: overlay; height: 100%;
+                                      background: $surface; border-left: thick $accent; }
+    ChatScreen.-narrow-tiers #tiers.-open { display: block; }
     #chats ListView { height: 1fr; }
     #chats .heading { text-style: bold; color: $accent; padding: 0 1; }
     #main { width: 1fr; }
@@ -105,7 +119,7 @@ class ChatScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        with Horizontal():
+        with Horizontal(id="body"):
             with Vertical(id="chats"):
                 yield Label("Chats", classes="heading")
                 yield ListView(id="chat-list")
@@ -117,8 +131,31 @@ class ChatScreen(Screen):
         yield Footer()
 
     async def on_mount(self) -> None:
+        self.fit_width(self.app.size.width)
         self.query_one(PromptInput).focus()
         await self.app.start_up()
+
+    def on_resize(self, event) -> None:
+        self.fit_width(event.size.width)
+
+    def fit_width(self, width: int) -> None:
+        self.set_class(width < self.CHATS_INLINE_MIN, "-narrow-chats")
+        self.set_class(width < self.TIERS_INLINE_MIN, "-narrow-tiers")
+
+    def toggle_side(self, selector: str, narrow_class: str) -> None:
+        """Wide: show/hide the panel beside the chat. Narrow: open/close it over the chat."""
+        panel = self.query_one(selector)
+        if self.has_class(narrow_class):
+            panel.toggle_class("-open")
+        else:
+            panel.toggle_class("-hidden")
+
+    def close_overlays(self) -> bool:
+        """Close side panels open over the chat; True if one was open."""
+        open_ = list(self.query("#chats.-open, #tiers.-open"))
+        for panel in open_:
+            panel.remove_class("-open")
+        return bool(open_)
 
 
 class ColiApp(App):
@@ -273,7 +310,8 @@ class ColiApp(App):
         self.engine_error = error
         self.set_status(f"model not loaded: {error}")
         self.push_screen(MessageScreen("The model could not be opened", f"{path}\n\n{error}\n\n"
-                                       "Fix it with F5 (settings) or `coli chat --model DIR`."))
+                                       "Pick another with Ctrl+P → “Set up a model”, fix the folder "
+                                       "in F5 (settings), or run `coli chat --model DIR`."))
 
     def _engine_loaded(self, engine, seq: int | None = None) -> None:
         if seq is not None and seq != self._load_seq:
@@ -351,8 +389,11 @@ class ColiApp(App):
 
     @on(ListView.Selected, "#chat-list")
     async def _chat_selected(self, event: ListView.Selected) -> None:
+        overlay = self.chat_screen.close_overlays()
         if isinstance(event.item, ChatItem) and event.item.chat_id != self.chat_id:
             await self.show_chat(event.item.chat_id)
+            self.prompt_input.focus()
+        elif overlay:
             self.prompt_input.focus()
 
     async def action_new_chat(self) -> None:
@@ -446,11 +487,34 @@ class ColiApp(App):
                     self.resolve_and_load()
         self.push_screen(SettingsScreen(self.settings, str(settings_mod.config_path())), done)
 
+    @property
+    def chat_screen(self) -> ChatScreen:
+        return self.screen_stack[0]
+
     def action_toggle_panel(self) -> None:
-        self.tier_panel.toggle_class("-hidden")
+        self.chat_screen.toggle_side("#tiers", "-narrow-tiers")
 
     def action_toggle_chats(self) -> None:
-        self._q("#chats").toggle_class("-hidden")
+        screen = self.chat_screen
+        screen.toggle_side("#chats", "-narrow-chats")
+        chats = screen.query_one("#chats")
+        if chats.has_class("-open"):                 # an overlay: the keys go to the list
+            screen.query_one("#chat-list").focus()
+        elif self.screen.focused is None or not self.screen.focused.is_attached:
+            self.prompt_input.focus()
+
+    async def action_switch_chat(self, delta: int) -> None:
+        """The next (delta > 0) or previous chat of the list, wrapping around."""
+        ids = [c.id for c in self.history.chats()]
+        if not ids:
+            return
+        i = ids.index(self.chat_id) if self.chat_id in ids else -delta
+        target = ids[(i + delta) % len(ids)]
+        if target != self.chat_id:
+            await self.show_chat(target)
+            chat = self.history.get(target)
+            self.set_status(f"chat {ids.index(target) + 1} of {len(ids)} · {chat.title if chat else ''}"
+                            " · Ctrl+PgUp/PgDn switches")
 
     def action_copy_reply(self) -> None:
         msgs = [m for m in self.history.messages(self.chat_id)] if self.chat_id else []
@@ -527,6 +591,10 @@ class ColiApp(App):
         yield SystemCommand("Toggle tier panel", "Show or hide the tier panel and Brain map (F2)",
                             self.action_toggle_panel)
         yield SystemCommand("Toggle chat list", "Show or hide the list of chats (F3)", self.action_toggle_chats)
+        yield SystemCommand("Next chat", "Open the next chat of the list (Ctrl+PgDn or Alt+PgDn)",
+                            lambda: self.run_action("switch_chat(1)"))
+        yield SystemCommand("Previous chat", "Open the previous chat of the list (Ctrl+PgUp or Alt+PgUp)",
+                            lambda: self.run_action("switch_chat(-1)"))
         yield SystemCommand("Export chat to Markdown", "Write this chat as a .md file (F7)",
                             self.action_export_chat)
         yield SystemCommand("Rename chat", "Give this chat a new title (F6)", self.action_rename_chat)
@@ -557,7 +625,8 @@ class ColiApp(App):
             return False
         if self.engine is None:
             self.notify("the model is still loading" if self.loading else
-                        f"no model: {self.engine_error or 'not loaded'} (F5 settings)", severity="error")
+                        f"no model: {self.engine_error or 'not loaded'} · set one up with Ctrl+P → "
+                        "“Set up a model” (download, convert, or a folder you have)", severity="error")
             return False
         chat = self.history.get(self.chat_id)
         if chat is None:
@@ -665,6 +734,8 @@ class ColiApp(App):
 
     def action_stop_reply(self) -> None:
         if self.gen is None:
+            if self.screen_stack and self.chat_screen.close_overlays():      # Esc closes an overlay
+                self.prompt_input.focus()
             return
         self.gen.cancel = True
         if self.engine is not None:

@@ -204,3 +204,54 @@ def test_untrusted_text_never_reaches_the_terminal(tiny_model, dirs, monkeypatch
             body = path.read_text()
             assert path.parent == dirs / "exports" and "␛[2J" in body and "\x1b" not in body
     asyncio.run(run())
+
+
+def test_next_and_previous_chat_keys_work_from_anywhere(tiny_model, dirs):
+    async def run():
+        app = make_app(tiny_model)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            for title in ("third", "second"):
+                c = app.history.new_chat(title)
+                app.history.add_message(c.id, "user", f"hello {title}")
+            order = [c.id for c in app.history.chats()]           # the chat list's order
+            await app.show_chat(order[0])
+            await pilot.press("ctrl+pagedown")
+            assert app.chat_id == order[1]
+            await pilot.press("alt+up")                            # a message has the focus now
+            assert app.selected_message() is not None
+            await pilot.press("ctrl+pagedown")
+            assert app.chat_id == order[2]
+            await pilot.press("ctrl+pagedown")                     # wraps around
+            assert app.chat_id == order[0]
+            await pilot.press("ctrl+pageup", "alt+pageup")
+            assert app.chat_id == order[1]
+            app.query_one("#chat-list").focus()
+            await pilot.press("alt+pagedown")
+            assert app.chat_id == order[2]
+            assert app.prompt_input.text == ""                     # no key leaked into the prompt
+            names = {c.title for c in app.get_system_commands(app.screen)}
+            assert {"Next chat", "Previous chat"} <= names
+    asyncio.run(run())
+
+
+def test_no_model_toast_points_to_the_setup_wizard(dirs):
+    from colibri_tui.app import ColiApp
+    from colibri_tui.screens import MessageScreen
+    from colibri_tui.settings import Settings
+
+    async def run():
+        app = ColiApp(settings=Settings())
+        app.resolved_model = lambda: None
+        notes = []
+        orig = app.notify
+        app.notify = lambda msg, **kw: (notes.append(msg), orig(msg, **kw))[1]
+        async with app.run_test() as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, MessageScreen))
+            await pilot.press("escape")
+            app.prompt_input.text = "hello"
+            await pilot.press("enter")
+            await pilot.pause()
+            assert "Set up a model" in notes[-1] and "F5" not in notes[-1]
+            assert app.prompt_input.text == "hello"
+    asyncio.run(run())
