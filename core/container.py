@@ -174,6 +174,12 @@ class Container:
     def names(self):
         return self.index.keys()
 
+    def logical_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensor name -> shape as the model sees it ([O, I] for a quantized tensor, whose stored
+        bytes are packed); scales (.qs) left out."""
+        return {n: self.quant[n].shape if n in self.quant else info.shape
+                for n, (_, info) in self.index.items() if not (n.endswith(".qs") and n[:-3] in self.quant)}
+
     def _locate_experts(self) -> dict[tuple[int, int], ExpertLocation]:
         found: dict[tuple[int, int], ExpertLocation] = {}
         for name, (f, info) in self.index.items():

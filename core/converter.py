@@ -93,6 +93,20 @@ def load_config(src: Path) -> dict:
     return cfg
 
 
+def _check_side_files(src: Path) -> None:
+    """The files copied into the container must load there: parse them before writing anything."""
+    gen = src / "generation_config.json"
+    if gen.exists():
+        try:
+            ok = isinstance(json.loads(gen.read_text()), dict)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            ok = False
+        if not ok:
+            raise ColiError(f"{gen}: not a JSON object (a damaged generation_config.json)")
+    from .tokenizer import load_tokenizer
+    load_tokenizer(src)
+
+
 def _open_sources(src: Path) -> list[SafetensorsFile]:
     index = src / "model.safetensors.index.json"
     if index.exists():
@@ -250,8 +264,16 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
     config = load_config(src)
     if validate_config is not None:
         validate_config(config)
+    _check_side_files(src)
     files = _open_sources(src)
     sources = _gather(files)
+    if validate_config is not None:       # the weights against the config, before any writing
+        try:
+            validate_config(config, {n: s.shape for n, s in sources.items()})
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
     files_by_name = {n: f for f in files for n in f.tensors}
     plan = _plan(sources, bits)
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,

@@ -50,7 +50,9 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTokenizer", "StreamDecoder", "compile_chat_template"]
+from .errors import ColiError
+
+__all__ = ["ChatTokenizer", "StreamDecoder", "compile_chat_template", "load_tokenizer"]
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -524,3 +526,15 @@ class StreamDecoder:
         if delta:
             self._pieces.append(delta)
         return delta
+
+
+def load_tokenizer(directory: str | os.PathLike) -> "ChatTokenizer | None":
+    """The directory's tokenizer (None without a tokenizer.json); damaged tokenizer files are one
+    ColiError naming them (the tokenizers library raises plain Exceptions)."""
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return None
+    try:
+        return ChatTokenizer.from_dir(directory)
+    except Exception as e:      # tokenizers' errors, bad JSON, a template that does not compile
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
+        raise ColiError(f"{directory}: the tokenizer files do not load ({first})") from None

@@ -76,7 +76,7 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
     check_model_path(path)
     container = Container(path)
     try:
-        validate_config(container.config)
+        validate_config(container.config, container.logical_shapes(), str(container.path))
         spec = family_for(container.config).spec(container.config,
                                                    _read_json(container.path / "generation_config.json"))
         plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap, kv_cache=kv_cache)
@@ -88,10 +88,8 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
             raise ColiError(str(e)) from None
         store = TieredStore(container, cap=plan.cap, policy=pol, o_direct=o_direct,
                             io_threads=io_threads, prefetch=prefetch)
-        tokenizer = None
-        if (container.path / "tokenizer.json").exists():
-            from core.tokenizer import ChatTokenizer
-            tokenizer = ChatTokenizer.from_dir(container.path)
+        from core.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(container.path)
         engine = Engine(container, spec, store=store, tokenizer=tokenizer, threads=threads,
                         kv_dtype=kv_cache)
         engine.plan = plan

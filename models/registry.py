@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from core.errors import ColiError
+from core.layout import check_layout
 from core.rope import Rope
 
 from .olmoe import Olmoe
@@ -21,7 +22,10 @@ def family_for(config: dict):
     return FAMILIES[model_type]
 
 
-def validate_config(config: dict) -> None:
-    """Refuse, before any work, a config we could not run (used by the converter)."""
+def validate_config(config: dict, shapes: dict | None = None, where: str = "the source checkpoint") -> None:
+    """Refuse, before any work, a config we could not run (used by the converter); with
+    ``shapes`` (tensor name -> logical shape), also weights that disagree with the config."""
     spec = family_for(config).spec(config)
     Rope(config, spec.head_dim)
+    if shapes is not None:
+        check_layout(spec, shapes, where)

@@ -159,3 +159,54 @@ def test_unchanged_containers_give_the_same_logits(container, tmp_path, capsys):
     assert coli(["logits", "--model", str(container), "--ids", "1,2,3,4", "--out", str(out), "--threads", "1"]) == 0
     logits = np.load(out)
     assert np.isfinite(logits).all() and logits.shape[0] == 4
+
+
+# --- the converter refuses sources it would turn into containers that do not load ---------------
+def _source(tmp_path, **over):
+    return write_hf_model(tmp_path / "src", tiny_config(**over))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda src: _edit_json(src / "config.json", lambda c: c.update(num_key_value_heads=4)),
+     "k_proj.weight has shape [24, 40], but the config needs [48, 40]"),
+    (lambda src: _edit_json(src / "config.json", lambda c: c.update(hidden_size=48)), "has shape"),
+    (lambda src: _edit_json(src / "config.json", lambda c: c.update(num_experts=7)),
+     "mlp.gate.weight has shape"),
+    (lambda src: _edit_json(src / "config.json", lambda c: c.update(num_hidden_layers=3)),
+     "model.layers.2.input_layernorm.weight is missing"),
+    (lambda src: (src / "tokenizer.json").write_text("{garbage"), "tokenizer files do not load"),
+    (lambda src: (src / "generation_config.json").write_text("[1, 2"), "generation_config.json"),
+])
+def test_the_converter_refuses_a_source_whose_parts_disagree(tmp_path, capsys, damage, match):
+    from tests.conftest import tokenizer_files
+    src = _source(tmp_path)
+    if not (src / "tokenizer.json").exists():
+        tokenizer_files(src)
+    if not (src / "generation_config.json").exists():
+        (src / "generation_config.json").write_text('{"eos_token_id": 2}')
+    damage(src)
+    line = _one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
+    assert match in line, line
+    assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+def test_a_source_missing_an_expert_tensor_is_refused(tmp_path, capsys):
+    from core.safetensors_io import SafetensorsFile, SafetensorsWriter
+    src = _source(tmp_path)
+    for shard in sorted(src.glob("*.safetensors")):
+        f = SafetensorsFile(shard)
+        keep = {n: (t.dtype, t.shape, f.raw(n)) for n, t in f.tensors.items()
+                if n != "model.layers.1.mlp.experts.3.up_proj.weight"}
+        f.close()
+        w = SafetensorsWriter(shard, [(n, d, s) for n, (d, s, _) in keep.items()])
+        for n, (_, _, a) in keep.items():
+            w.write(n, a)
+        w.commit()
+    line = _one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
+    assert "model.layers.1.mlp.experts.3.up_proj.weight is missing" in line
+
+
+def test_a_container_whose_config_was_edited_is_refused_at_open(container, capsys):
+    _edit_json(container / "config.json", lambda c: c.update(num_key_value_heads=4))
+    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    assert "k_proj.weight has shape" in line and str(container) in line
