@@ -516,22 +516,54 @@ class ColiApp(App):
             self.set_status(f"chat {ids.index(target) + 1} of {len(ids)} · {chat.title if chat else ''}"
                             " · Ctrl+PgUp/PgDn switches")
 
+    COPY_FILE = "copied.txt"
+
+    def copy_to_clipboard(self, text: str) -> None:
+        """Textual's OSC 52 (the terminal may ignore it, silently) and the system's clipboard
+        tool where one reaches a clipboard (colibri_tui.clipboard)."""
+        from . import clipboard
+        super().copy_to_clipboard(text)
+        self.copied_with = clipboard.system_copy(text)
+
+    def copy_out(self, text: str, what: str) -> Path | None:
+        """Copy ``text`` and say truthfully where it went: the system clipboard, or the terminal
+        (OSC 52, unconfirmed) plus a file; returns the file when one was written."""
+        self.copied_with = None
+        self.copy_to_clipboard(text)
+        tool = getattr(self, "copied_with", None)
+        if tool:
+            self.notify(f"{what} copied to the clipboard ({tool})")
+            return None
+        from core.errors import ColiError
+        from core.fileio import atomic_write_text
+        path = settings_mod.export_dir() / self.COPY_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, text)
+        except (OSError, ColiError) as e:
+            self.notify(f"{what} sent to the terminal's clipboard (OSC 52), which this terminal may "
+                        f"ignore; no clipboard tool here, and {path} could not be written: {e}",
+                        severity="warning", timeout=12)
+            return None
+        self.notify(f"{what} sent to the terminal's clipboard (OSC 52), which this terminal may ignore; "
+                    f"no clipboard tool here (xclip, xsel, wl-copy), so it is also in {path}",
+                    severity="warning", timeout=12)
+        return path
+
     def action_copy_reply(self) -> None:
         msgs = [m for m in self.history.messages(self.chat_id)] if self.chat_id else []
         last = next((m for m in reversed(msgs) if m.role == "assistant"), None)
         if last is None:
             self.notify("no reply to copy", severity="warning")
             return
-        self.copy_to_clipboard(last.content)
-        self.notify("last reply copied")
+        self.copy_out(last.content, "last reply")
 
     def action_copy_code(self) -> None:
         msgs = self.history.messages(self.chat_id) if self.chat_id else []
         for m in reversed(msgs):
             blocks = code_blocks(m.content) if m.role == "assistant" else []
             if blocks:
-                self.copy_to_clipboard(blocks[-1])
-                self.notify("code block copied")
+                self.copy_out(blocks[-1], "code block")
                 return
         self.notify("no code block to copy", severity="warning")
 

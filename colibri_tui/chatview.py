@@ -82,8 +82,7 @@ class SelectableMessage:
         if not text.strip():
             self.app.notify(f"this {self.kind} is empty", severity="warning")
             return
-        self.app.copy_to_clipboard(text)
-        self.app.notify(f"{self.kind} copied")
+        self._copy(text, self.kind)
 
     def action_copy_message_or_selection(self) -> None:
         if self.screen.get_selected_text():
@@ -98,8 +97,15 @@ class SelectableMessage:
             return
         i = self._code_index % len(blocks)
         self._code_index = i + 1
-        self.app.copy_to_clipboard(blocks[i])
-        self.app.notify("code block copied" if len(blocks) == 1 else f"code block {i + 1}/{len(blocks)} copied")
+        self._copy(blocks[i], "code block" if len(blocks) == 1 else f"code block {i + 1}/{len(blocks)}")
+
+    def _copy(self, text: str, what: str) -> None:
+        copy_out = getattr(self.app, "copy_out", None)      # ColiApp: says where the text went
+        if copy_out is not None:
+            copy_out(text, what)
+        else:
+            self.app.copy_to_clipboard(text)
+            self.app.notify(f"{what} copied")
 
 
 class UserMessage(SelectableMessage, Static, can_focus=True):

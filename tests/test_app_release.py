@@ -255,3 +255,43 @@ def test_no_model_toast_points_to_the_setup_wizard(dirs):
             assert "Set up a model" in notes[-1] and "F5" not in notes[-1]
             assert app.prompt_input.text == "hello"
     asyncio.run(run())
+
+
+def test_copy_says_where_the_text_went(tiny_model, dirs, monkeypatch):
+    """Without a clipboard tool the toast says the copy went to the terminal (OSC 52, which it
+    may ignore) and to a file; with one (a stand-in xclip on PATH, DISPLAY set) the text goes
+    through it."""
+    bin_dir = dirs / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))                 # no real clipboard tool
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.setenv("COLI_EXPORT_DIR", str(dirs / "exports"))
+    reply = "the answer\n```\ncode ✓\n```"
+
+    async def run():
+        app = make_app(tiny_model)
+        notes = []
+        orig = app.notify
+        app.notify = lambda msg, **kw: (notes.append(msg), orig(msg, **kw))[1]
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            chat = app.history.new_chat()
+            app.history.add_message(chat.id, "user", "q")
+            app.history.add_message(chat.id, "assistant", reply)
+            await app.show_chat(chat.id)
+            app.action_copy_reply()
+            saved = dirs / "exports" / "copied.txt"
+            assert "copied to" not in notes[-1] and "OSC 52" in notes[-1] and str(saved) in notes[-1]
+            assert saved.read_text() == reply
+            # a clipboard tool in reach: it gets the text, and the toast names it
+            got = dirs / "xclip-got"
+            tool = bin_dir / "xclip"
+            tool.write_text(f"#!/bin/sh\n[ \"$1 $2\" = \"-selection clipboard\" ] || exit 3\ncat > '{got}'\n")
+            tool.chmod(0o755)
+            monkeypatch.setenv("DISPLAY", ":99")
+            monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+            await pilot.press("alt+up", "y")                      # the selected reply's code block
+            assert notes[-1] == "code block copied to the clipboard (xclip)"
+            assert got.read_text() == "code ✓"
+    asyncio.run(run())
