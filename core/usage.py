@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def load_usage(path: str | os.PathLike, layers: int, experts: int) -> dict[tuple
     """
     path = Path(path)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):     # a FIFO would block the read for ever
+            _warn(path, "not a regular file")
+            return {}
         data = path.read_bytes()
     except FileNotFoundError:
         return {}
@@ -113,6 +117,9 @@ def load_usage(path: str | os.PathLike, layers: int, experts: int) -> dict[tuple
             return {}
         if count:
             counts[(layer, expert)] = counts.get((layer, expert), 0) + count
+    if not math.isfinite(sum(counts.values())):     # each finite, their sum not: unusable
+        _warn(path, "the counts add up to more than a float holds")
+        return {}
     return counts
 
 
@@ -151,18 +158,20 @@ def counts_from_trace(trace) -> dict[tuple[int, int], int]:
     return counts
 
 
-def usage_path(model_dir: str | os.PathLike) -> Path:
+def usage_path(model_dir: str | os.PathLike, shipped: bool = False) -> Path:
     """Where a model's history lives: ``.coli_usage`` beside the model when that directory is
-    writable (colibrì's place), else under the user data dir, keyed by the model's path."""
+    writable (colibrì's place), else under the user data dir, keyed by the model's path.
+    ``shipped``: a model installed with the program (the embedded demo) -- its folder belongs to
+    the installation, so its history is always user data."""
     model_dir = Path(model_dir).resolve()
     bundle = getattr(sys, "_MEIPASS", None)      # a one-file binary unpacks to a new temp dir per run
     bundled = bundle is not None and model_dir.is_relative_to(Path(bundle).resolve())
-    if os.access(model_dir, os.W_OK) and not bundled:
+    if os.access(model_dir, os.W_OK) and not bundled and not shipped:
         return model_dir / ".coli_usage"
     import hashlib
 
-    import platformdirs
-    key = "bundled" if bundled else hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
-    d = Path(platformdirs.user_data_dir("colibri")) / "usage"
+    from core.userdirs import data_dir
+    key = "shipped" if bundled or shipped else hashlib.sha1(str(model_dir).encode()).hexdigest()[:16]
+    d = data_dir() / "usage"
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{model_dir.name}-{key}.coli_usage"

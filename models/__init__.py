@@ -19,10 +19,17 @@ __all__ = ["open_model", "default_model", "check_model_path", "FAMILIES", "famil
 DEFAULT_POLICY = "lfru"
 
 
+def model_usage_path(path: Path) -> Path:
+    """Where the model's routing history (``.coli_usage``) lives; the embedded demo's is user
+    data, never written into the installed package."""
+    from core.usage import usage_path
+    return usage_path(path, shipped=Path(path).resolve() == DEMO_MODEL.resolve())
+
+
 def load_model_usage(container: Container, spec) -> dict:
     """The model's routing history (``.coli_usage``), {} when there is none yet."""
-    from core.usage import load_usage, usage_path
-    return load_usage(usage_path(container.path), spec.num_layers, spec.num_experts)
+    from core.usage import load_usage
+    return load_usage(model_usage_path(container.path), spec.num_layers, spec.num_experts)
 
 
 # The embedded demo model (issue 3), shipped as package data.
@@ -94,8 +101,7 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
                         kv_dtype=kv_cache)
         engine.plan = plan
         engine.usage_history = dict(history)
-        from core.usage import usage_path
-        engine.usage_file = usage_path(container.path)
+        engine.usage_file = model_usage_path(container.path)
         return engine
     except BaseException:
         container.close()

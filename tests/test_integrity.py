@@ -9,7 +9,7 @@ import pytest
 
 from colibri_tui.cli import main as coli
 from core.container import MANIFEST
-from tests.conftest import tiny_config, write_hf_model
+from tests.conftest import ROOT, tiny_config, write_hf_model
 
 RUN = ["--ids", "1,2,3", "--max-new-tokens", "3", "--greedy", "--threads", "1", "--json"]
 
@@ -210,3 +210,74 @@ def test_a_container_whose_config_was_edited_is_refused_at_open(container, capsy
     _edit_json(container / "config.json", lambda c: c.update(num_key_value_heads=4))
     line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "k_proj.weight has shape" in line and str(container) in line
+
+
+# --- usage histories: never a crash, a hang, or user data inside the installation -----------------
+def _demo():
+    from models import default_model
+    d = default_model()
+    if d is None:
+        pytest.skip("no embedded demo model")
+    return d
+
+
+def test_usage_counts_that_add_up_to_inf_are_ignored(tmp_path, capsys):
+    from core.usage import load_usage
+    p = tmp_path / ".coli_usage"
+    p.write_text("-1 2 4\n-2 1 5\n0 1 1e308\n0 2 1e308\n1 0 3\n")
+    assert load_usage(p, 2, 4) == {}
+    assert "add up to more than a float holds" in capsys.readouterr().err
+
+
+def test_a_run_with_an_inf_history_finishes_cleanly(container, capsys):
+    (container / ".coli_usage").write_text("-1 2 6\n-2 1 5\n0 1 1e308\n0 2 1e308\n")
+    capsys.readouterr()
+    assert coli(["run", "--model", str(container), *RUN]) == 0
+    err = capsys.readouterr().err
+    assert "internal error" not in err and err.count("ignoring usage history") == 1
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs on this OS")
+def test_a_fifo_named_coli_usage_is_never_opened(container, capsys):
+    import os
+    import subprocess
+    import sys
+    os.mkfifo(container / ".coli_usage")
+    r = subprocess.run([sys.executable, "-m", "colibri_tui", "run", "--model", str(container), *RUN],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "not a regular file" in r.stderr
+
+
+def test_the_demo_history_is_user_data_not_package_data(tmp_path, monkeypatch):
+    from models import model_usage_path
+    demo = _demo()
+    monkeypatch.setenv("COLI_DATA_DIR", str(tmp_path / "data"))
+    p = model_usage_path(demo)
+    assert p.is_relative_to(tmp_path / "data") and not p.is_relative_to(demo)
+    other = tmp_path / "mine"
+    other.mkdir()
+    assert model_usage_path(other) == other.resolve() / ".coli_usage"      # colibrì's place
+
+
+def test_a_demo_run_writes_no_file_into_the_package(tmp_path):
+    import subprocess
+    import sys
+    demo = _demo()
+    before = sorted(p.name for p in demo.iterdir())
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("COLI_MODEL",)}
+    env.update(COLI_DATA_DIR=str(tmp_path / "data"), COLI_CONFIG_DIR=str(tmp_path / "cfg"))
+    r = subprocess.run([sys.executable, "-m", "colibri_tui", "run", "Hello", "--max-new-tokens", "3",
+                        "--seed", "1"], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in demo.iterdir()) == before
+    assert list((tmp_path / "data" / "usage").glob("*.coli_usage"))
+
+
+def test_a_truncated_expert_is_refused_at_open_whatever_the_prefetch(container, capsys):
+    """Read timing cannot decide: the shard's size is checked against its header at open."""
+    shard = container / "layer-001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    for flags in ([], ["--no-prefetch"], ["--cap", "1"]):
+        line = _one_error_line(capsys, ["run", "--model", str(container), *RUN, *flags])
+        assert "layer-001.safetensors is truncated" in line, line
