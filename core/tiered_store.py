@@ -283,6 +283,11 @@ class TieredStore(ExpertStore):
     def reset_stats(self) -> None:
         self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "disk_wait_s": 0.0, "read_s": 0.0,
                        "prefetch_issued": 0, "prefetch_used": 0}
+        # a prefetch issued before the reset is not this window's: finding it later is a plain
+        # hit, never "used" (which would count more used than issued)
+        for L in self.layers.values():
+            for slot in L.slots:
+                slot.prefetched = False
 
     def stats(self) -> dict:
         s = dict(self._stats)
