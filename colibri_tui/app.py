@@ -314,7 +314,9 @@ class ColiApp(App):
                                        "in F5 (settings), or run `coli chat --model DIR`."))
 
     def _engine_loaded(self, engine, seq: int | None = None) -> None:
-        if seq is not None and seq != self._load_seq:
+        if seq is None:               # handed over directly (the wizard): loads under way lose
+            self._load_seq = getattr(self, "_load_seq", 0) + 1
+        elif seq != self._load_seq:
             return                    # an older load, superseded
         old, self.engine = self.engine, engine
         if old is not None and old is not engine:

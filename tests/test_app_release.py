@@ -295,3 +295,21 @@ def test_copy_says_where_the_text_went(tiny_model, dirs, monkeypatch):
             assert notes[-1] == "code block copied to the clipboard (xclip)"
             assert got.read_text() == "code ✓"
     asyncio.run(run())
+
+
+def test_a_later_model_load_wins_over_an_earlier_one(tiny_model, dirs):
+    """Loads run in daemon threads (quitting never waits for one); when two overlap, the one
+    asked for last decides, whichever finishes first."""
+    from colibri_tui.screens import MessageScreen
+
+    async def run():
+        app = make_app(tiny_model)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            old = app.engine
+            app.load_engine(str(dirs / "not-a-model"))          # fails fast, but was superseded
+            app.load_engine(str(tiny_model))
+            await wait_for(pilot, lambda: app.engine is not old)
+            await pilot.pause(0.3)
+            assert not isinstance(app.screen, MessageScreen) and app.engine_error is None
+    asyncio.run(run())
