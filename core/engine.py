@@ -295,7 +295,15 @@ class Engine:
             return kernels.rank_sum(contrib[0], weights[0])
         return np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
 
+    def _check_context(self, end: int, what: str) -> None:
+        """Positions past max_position_embeddings are refused: RoPE would extrapolate in silence."""
+        limit = self.spec.max_position_embeddings
+        if limit and end > limit:
+            raise ColiError(f"{what} needs {end} positions, past the model's context of {limit} "
+                            f"(max_position_embeddings)")
+
     def forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        self._check_context(cache.length + len(ids), "this pass")
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
@@ -389,6 +397,7 @@ class Engine:
         ids = self.prompt_ids(prompt, raw=raw)
         if not ids:
             raise ColiError("empty prompt")
+        self._check_context(len(ids), "the prompt")
         self._cancel.clear()
         sample, cache = Sampler(sampling), self.new_cache()
         self._cancel_checks = True
@@ -453,6 +462,9 @@ class Engine:
             yield stats(final=False)
             emitted = len(text) - hold
             if len(new) >= max_new_tokens:
+                break
+            if self.spec.max_position_embeddings and cache.length >= self.spec.max_position_embeddings:
+                reason = "context"      # the model's context is full: stop, never extrapolate
                 break
             try:
                 logits = self.forward([tok], cache)[-1]

@@ -31,4 +31,4 @@ class Stats:
 
 @dataclass
 class Done:
-    reason: str        # 'eos' | 'stop' | 'length' | 'cancelled'
+    reason: str        # 'eos' | 'stop' | 'length' | 'cancelled' | 'context' (the model's context is full)

@@ -281,3 +281,18 @@ def test_a_truncated_expert_is_refused_at_open_whatever_the_prefetch(container, 
     for flags in ([], ["--no-prefetch"], ["--cap", "1"]):
         line = _one_error_line(capsys, ["run", "--model", str(container), *RUN, *flags])
         assert "layer-001.safetensors is truncated" in line, line
+
+
+# --- past the model's context: refused or stopped, never extrapolated ---------------------------
+def test_past_max_position_embeddings_is_refused_or_stopped(container, capsys, tmp_path):
+    _edit_json(container / "config.json", lambda c: c.update(max_position_embeddings=8))
+    line = _one_error_line(capsys, ["run", "--model", str(container), "--ids", ",".join(["1"] * 9), "--json"])
+    assert "the prompt needs 9 positions, past the model's context of 8" in line
+    line = _one_error_line(capsys, ["logits", "--model", str(container), "--ids", ",".join(["1"] * 9),
+                                    "--out", str(tmp_path / "l.npy")])
+    assert "past the model's context of 8" in line
+    capsys.readouterr()
+    assert coli(["run", "--model", str(container), "--ids", "1,2,3,4,5", "--max-new-tokens", "10",
+                 "--greedy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["reason"] == "context" and len(out["ids"]) == 4     # positions 5, 6, 7 + the last
