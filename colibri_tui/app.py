@@ -558,14 +558,14 @@ class ColiApp(App):
         if last is None:
             self.notify("no reply to copy", severity="warning")
             return
-        self.copy_out(last.content, "last reply")
+        self.copy_out(visible(last.content), "last reply")      # as shown: no raw controls
 
     def action_copy_code(self) -> None:
         msgs = self.history.messages(self.chat_id) if self.chat_id else []
         for m in reversed(msgs):
             blocks = code_blocks(m.content) if m.role == "assistant" else []
             if blocks:
-                self.copy_out(blocks[-1], "code block")
+                self.copy_out(visible(blocks[-1]), "code block")
                 return
         self.notify("no code block to copy", severity="warning")
 

@@ -158,6 +158,8 @@ def test_visible_maps_every_control():
 def test_untrusted_text_never_reaches_the_terminal(tiny_model, dirs, monkeypatch):
     from colibri_tui.chatview import AssistantMessage
     monkeypatch.setenv("COLI_EXPORT_DIR", str(dirs / "exports"))
+    for var in ("DISPLAY", "WAYLAND_DISPLAY"):            # no clipboard tool: copies go to a file
+        monkeypatch.delenv(var, raising=False)
 
     async def run():
         app = make_app(tiny_model)
@@ -203,6 +205,10 @@ def test_untrusted_text_never_reaches_the_terminal(tiny_model, dirs, monkeypatch
             path = app.action_export_chat()
             body = path.read_text()
             assert path.parent == dirs / "exports" and "␛[2J" in body and "\x1b" not in body
+            # and a copy (no clipboard tool here: saved to a file) carries no raw control either
+            app.action_copy_reply()
+            copied = (dirs / "exports" / "copied.txt").read_text()
+            assert "answer ␀␁" in copied and "␛[2J" in copied and "\x1b" not in copied
     asyncio.run(run())
 
 
