@@ -130,6 +130,7 @@ class Container:
                     raise ColiError(f"{self.path}: shard {shard} is missing")
                 f = SafetensorsFile(p)
                 self.files.append(f)
+                self._check_header_digest(shard, f)
                 for name, info in f.tensors.items():
                     if name in self.index:
                         raise ColiError(f"{self.path}: tensor {name} is stored twice "
@@ -144,6 +145,19 @@ class Container:
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+    def _check_header_digest(self, shard: str, f: SafetensorsFile) -> None:
+        """The shard's header as the converter wrote it (core.integrity), where it was recorded."""
+        sums = self.manifest.get("checksums")
+        if sums is None:
+            return                      # converted before checksums existed
+        rec = sums.get(shard) if isinstance(sums, dict) else None
+        want = rec.get("header_sha256") if isinstance(rec, dict) else None
+        if not isinstance(want, str):
+            raise ColiError(f"{self.path}: {MANIFEST} has no checksum for {shard}")
+        if want != f.header_sha256:
+            raise ColiError(f"{self.path}: the header of {shard} changed since conversion (its "
+                            f"checksum differs); convert the model again")
 
     def _check_quantized(self) -> None:
         """Every quantized tensor's manifest entry against its stored bytes: the packed weight's

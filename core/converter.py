@@ -25,7 +25,7 @@ from . import quant
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_place
 from .errors import ColiError
 from .fileio import atomic_write_text
-from .integrity import ALGORITHM, shard_digest
+from .integrity import ALGORITHM, shard_checksums
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
@@ -362,17 +362,18 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                         w.abort()
                         raise
                     # hashed now, while the shard is most likely still in the page cache
-                    journal["done"][name] = {ALGORITHM: shard_digest(out / name)}
+                    journal["done"][name] = shard_checksums(out / name)
                     atomic_write_text(journal_path, json.dumps(journal))
                 done = sum(cost(o) for _, outs in plan[: i + 1] for o in outs)
                 if progress:
                     progress(Progress(done, total, name, i, len(plan)))
             finalize(out)
             checksums = {}
-            for name, _ in plan:      # a shard finished by an older converter has no digest yet
+            for name, _ in plan:      # a shard finished by an older converter has no digests yet
                 rec = journal["done"].get(name)
-                digest = rec.get(ALGORITHM) if isinstance(rec, dict) else None
-                checksums[name] = digest if isinstance(digest, str) else shard_digest(out / name)
+                ok = isinstance(rec, dict) and all(isinstance(rec.get(k), str)
+                                                   for k in (ALGORITHM, "header_" + ALGORITHM))
+                checksums[name] = rec if ok else shard_checksums(out / name)
             quantized = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
                                          **({"group_size": group_size} if o.scheme == "int4" else {})}
                          for _, outs in plan for o in outs if o.scheme in ("int4", "int8")}
@@ -382,7 +383,7 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                 "classes": _class_summary(bits, group_size),
                 "shards": [name for name, _ in plan],
                 "tensors": dict(sorted(quantized.items())),
-                "checksums": checksums,      # SHA-256 per shard: coli verify (core.integrity)
+                "checksums": checksums,      # per shard, of the file and its header (core.integrity)
                 **(manifest_extra or {}),
             }
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1))

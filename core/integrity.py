@@ -1,12 +1,18 @@
 """Checksums of a container's shards: a flipped bit in the weights is otherwise undetectable.
 
-The converter records each shard's SHA-256 in ``colibri.json`` (``checksums``: shard name ->
-hex digest) as it finishes the shard -- read back at once, while the file is most likely still in
-the page cache -- and keeps it in the resume journal, so a resumed conversion does not hash again.
-``verify`` reads every shard and compares; ``coli verify`` and the setup wizard's verify step use
-it. The expert store does not hash on the hot path (hashing runs at ~1-2 GB/s on one core, slower
-than a decode step's reads): damage to a header or manifest is caught at open, damage to the
-weight bytes by ``coli verify``.
+The converter records, per shard, the SHA-256 of the whole file and of its header in
+``colibri.json`` (``checksums``: shard name -> {"sha256": hex, "header_sha256": hex}) as it
+finishes the shard -- read back at once, while the file is most likely still in the page cache --
+and keeps them in the resume journal, so a resumed conversion does not hash again.
+
+* At open, every shard's header digest is checked (headers are small): an edited header is
+  refused even where it stays self-consistent (two same-sized dtypes swapped, say).
+* ``verify`` re-hashes every whole shard; ``coli verify`` and the setup wizard's verify step use
+  it. The expert store does not hash the weights on the hot path (hashing runs at ~1-2 GB/s on
+  one core, slower than a decode step's reads): damage to the weight bytes is ``coli verify``'s.
+
+Containers converted before checksums existed have none: they open as before (their headers and
+manifest are still validated) and ``verify`` says their checksums are unrecorded.
 """
 from __future__ import annotations
 
@@ -21,6 +27,14 @@ from .errors import ColiError
 
 ALGORITHM = "sha256"
 CHUNK = 8 << 20
+
+
+def shard_checksums(path: Path) -> dict[str, str]:
+    """The manifest's record for one shard: the file's digest and its header's."""
+    from .safetensors_io import SafetensorsFile
+    with SafetensorsFile(path) as f:
+        header = f.header_sha256
+    return {ALGORITHM: shard_digest(path), "header_" + ALGORITHM: header}
 
 
 def shard_digest(path: Path, progress: Callable[[int], None] | None = None,
@@ -76,7 +90,8 @@ def verify(directory: str | Path, progress: Callable[[int, int, str], None] | No
     total = sum((d / s).stat().st_size for s in shards if (d / s).is_file())
     done = 0
     for s in shards:
-        p, want = d / s, sums.get(s)
+        p, rec = d / s, sums.get(s)
+        want = rec.get(ALGORITHM) if isinstance(rec, dict) else None
         if not isinstance(want, str):
             result.damaged.append(f"{s}: no checksum recorded")
             continue

@@ -8,6 +8,7 @@ open with any safetensors reader (tests check this with the stock package).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -124,8 +125,12 @@ class SafetensorsFile:
         if n <= 0 or n > MAX_HEADER or 8 + n > size:
             raise ColiError(f"{self.path.name} is corrupt or truncated: bad header length {n} "
                             f"for a {size}-byte file")
+        blob = bytes(self.pread(n, 8))
+        # the header's digest: a container records it per shard (core.integrity) and checks it at
+        # open, so an edited header cannot change what is read even where it stays consistent
+        self.header_sha256 = hashlib.sha256(head + blob).hexdigest()
         try:
-            header = json.loads(bytes(self.pread(n, 8)), object_pairs_hook=_no_duplicate_keys)
+            header = json.loads(blob, object_pairs_hook=_no_duplicate_keys)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, _DuplicateKey) as e:
             why = f"names {e} twice" if isinstance(e, _DuplicateKey) else "is not valid JSON"
             raise ColiError(f"{self.path.name} is corrupt: its header {why}") from None

@@ -36,6 +36,10 @@ def _edit_json(path, change):
     path.write_text(json.dumps(data))
 
 
+def _without_checksums(container) -> None:
+    _edit_json(container / MANIFEST, lambda m: m.pop("checksums"))
+
+
 def _one_error_line(capsys, args) -> str:
     capsys.readouterr()
     assert coli(args) == 1
@@ -88,6 +92,9 @@ def test_a_missing_lm_head_is_an_error_not_the_embedding(container, capsys):
         w.write(n, a)
     w.commit()
     _edit_json(container / MANIFEST, lambda m: [m["tensors"].pop(k) for k in list(m["tensors"]) if k.startswith("lm_head.")])
+    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    assert "the header of model-other.safetensors changed since conversion" in line
+    _without_checksums(container)        # as a container converted before checksums existed
     line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "lm_head.weight is missing" in line
 
@@ -143,6 +150,9 @@ def test_a_quantized_tensor_without_scales_is_named(container, capsys):
     for n, (_, _, a) in keep.items():
         w.write(n, a)
     w.commit()
+    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    assert f"the header of {shard.name} changed since conversion" in line
+    _without_checksums(container)
     line = _one_error_line(capsys, ["info", "--model", str(container)])
     assert f"{name} has no scales" in line
 
@@ -296,3 +306,25 @@ def test_past_max_position_embeddings_is_refused_or_stopped(container, capsys, t
                  "--greedy", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["stats"]["reason"] == "context" and len(out["ids"]) == 4     # positions 5, 6, 7 + the last
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h["model.norm.weight"].update(dtype="I32"),                     # same size, other dtype
+    lambda h: h.update({"__metadata__": {"format": "colibri", "x": "1"}}),     # harmless-looking
+])
+def test_an_edited_header_is_refused_by_its_digest(container, capsys, edit):
+    """Header edits that stay self-consistent (sizes and offsets still tile the file) are caught
+    by the header digest the converter recorded; without it they are the validator's."""
+    shard = container / "model-other.safetensors"
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8: 8 + n])
+    edit(header)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    shard.write_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + n:])
+    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    assert "the header of model-other.safetensors changed since conversion" in line
+    _edit_json(container / MANIFEST, lambda m: m["checksums"].pop("model-other.safetensors"))
+    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    assert "has no checksum for model-other.safetensors" in line

@@ -27,7 +27,7 @@ def test_conversion_records_every_shard_and_verify_passes(converted):
     m = json.loads((converted / "colibri.json").read_text())
     assert set(m["checksums"]) == set(m["shards"]) and len(m["shards"]) == 4
     for s in m["shards"]:
-        assert m["checksums"][s] == shard_digest(converted / s)
+        assert m["checksums"][s]["sha256"] == shard_digest(converted / s)
     r = verify(converted)
     assert r.ok and r.checked == m["shards"]
 
