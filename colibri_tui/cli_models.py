@@ -2,7 +2,8 @@
 
 Known = the containers the app made or opened (``coli convert`` and the wizard record them in
 ``models.json`` under the user data dir), every container in the wizard's default folder
-(``DATA_DIR/models``), the model in the config file, and the embedded demo model. ``coli rm``
+(``DATA_DIR/models``), the model in the config file, and the embedded demo model; and, to
+convert, the Hugging Face cache's checkpoints (huggingface_hub's ``scan_cache_dir``). ``coli rm``
 deletes only a colibrì container (a ``colibri.json`` of format "colibri"), never the demo
 model, and asks first unless given ``--yes``.
 """
@@ -30,6 +31,7 @@ class KnownModel:
     path: str
     configured: bool = False     # the config file's model (what `coli chat` opens)
     demo: bool = False
+    kind: str = "container"      # or "hf-cache": a checkpoint to convert (`coli convert REPO OUT`)
 
 
 def _known_file() -> Path:
@@ -123,6 +125,28 @@ def known_models() -> list[KnownModel]:
     return out
 
 
+def hf_cache_models() -> list[KnownModel]:
+    """Checkpoints with safetensors weights in the Hugging Face cache (no network)."""
+    from core.downloader import _has_weights, hf_cache_dir
+    cache = hf_cache_dir()
+    if not cache.is_dir():
+        return []
+    from huggingface_hub import scan_cache_dir
+    try:
+        info = scan_cache_dir(cache)
+    except Exception:                 # an unreadable or foreign folder: nothing to list
+        return []
+    out = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        rev = max(repo.revisions, key=lambda r: r.last_modified)
+        if _has_weights(Path(rev.snapshot_path)):
+            out.append(KnownModel(repo.repo_id, _family(Path(rev.snapshot_path)), repo.size_on_disk,
+                                  str(rev.snapshot_path), kind="hf-cache"))
+    return out
+
+
 def _human(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
@@ -131,7 +155,7 @@ def _human(n: int) -> str:
 
 
 def cmd_list(args) -> int:
-    models = known_models()
+    models = known_models() + hf_cache_models()
     if args.json:
         print(json.dumps([asdict(m) for m in models]))
         return 0
@@ -141,7 +165,8 @@ def cmd_list(args) -> int:
         return 0
     rows = [("NAME", "FAMILY", "SIZE", "WHERE")]
     for m in models:
-        mark = " (demo)" if m.demo else " (configured)" if m.configured else ""
+        mark = (" (demo)" if m.demo else " (configured)" if m.configured
+                else " (Hugging Face cache: coli convert NAME OUT)" if m.kind == "hf-cache" else "")
         rows.append((m.name, m.family, _human(m.size_bytes), m.path + mark))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:

@@ -224,6 +224,10 @@ def test_download_uses_the_hf_cache(hub_cache, home, monkeypatch):
     assert hub.requests == [] and not (home / "dl").exists()
     from core.downloader import cached_snapshot, repo_from_cache_path
     assert cached_snapshot(REPO) == snap and repo_from_cache_path(snap) == REPO
+    (cached,) = [m for m in json.loads(coli("list", "--json").stdout) if m["kind"] == "hf-cache"]
+    assert cached["name"] == REPO and cached["family"] == "qwen3_moe" and cached["path"] == str(snap)
+    assert cached["size_bytes"] > 10_000 and "coli convert NAME OUT" in coli("list").stdout
+    one_error_line(coli("rm", REPO, "--yes"), "no such model")            # rm never touches the cache
     # a shard missing from the cache (an interrupted download): not used
     shard = next(p for p in snap.iterdir() if p.name.endswith("00002.safetensors"))
     shard.unlink()
