@@ -39,9 +39,12 @@ def setup_logging(level: int = logging.INFO) -> Path | None:
     (a read-only home must not stop the app). Idempotent."""
     root = logging.getLogger("colibri")
     path = log_path()
-    for h in root.handlers:
-        if isinstance(h, RotatingFileHandler) and Path(h.baseFilename) == path.absolute():
-            return path
+    for h in list(root.handlers):
+        if isinstance(h, RotatingFileHandler):
+            if Path(h.baseFilename) == path.absolute():
+                return path
+            root.removeHandler(h)            # the log moved (COLI_LOG_DIR): one file at a time
+            h.close()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = RotatingFileHandler(path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS,

@@ -274,3 +274,25 @@ def test_rm_asks_on_a_terminal(home, hf_src):
     assert f"remove {target.resolve()} (" in out and "nothing removed" in out and target.exists()
     out = _rm_on_a_terminal(target, "y")
     assert f"removed {target.resolve()}" in out and not target.exists()
+
+
+def test_the_log_follows_coli_log_dir_in_one_process(tmp_path, monkeypatch):
+    import logging
+    from colibri_tui.paths import logger, setup_logging
+    for name in ("a", "b"):
+        monkeypatch.setenv("COLI_LOG_DIR", str(tmp_path / name))
+        assert setup_logging() == tmp_path / name / "colibri.log"
+        assert setup_logging() == tmp_path / name / "colibri.log"            # idempotent
+        logger("test").info("to %s", name)
+    root = logging.getLogger("colibri")
+    handlers = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    try:
+        assert len(handlers) == 1
+        handlers[0].flush()
+        assert "to b" in (tmp_path / "b" / "colibri.log").read_text()
+        assert "to b" not in (tmp_path / "a" / "colibri.log").read_text()
+    finally:                                   # leave the process's logging as it was
+        for h in handlers:
+            root.removeHandler(h)
+            h.close()
+        root.propagate = True
