@@ -111,14 +111,26 @@ class _Cancelled(Exception):
     pass
 
 
-# the catalog's columns, the fit check ("Here") always among them: narrow terminals drop the rest
+# the catalog's columns; Model and the fit check ("Here") always show, a narrow terminal drops the
+# others in this order until the rest fits (the fit-detail line below the table says more)
 COLUMNS = ("Model", "Family", "Params (active)", "Disk int4", "Download", "Min RAM", "Here")
-NARROW_COLUMNS = ("Model", "Params (active)", "Disk int4", "Here")
-NARROW_WIDTH = 110               # below this many cells, NARROW_COLUMNS
+DROP_ORDER = ("Family", "Download", "Min RAM", "Disk int4", "Params (active)")
+CELL_PADDING = 2                 # DataTable's default: one cell each side
+WIZARD_CHROME = 4                # the wizard's side padding and the scroll bar
+MAX_WIDTH = 130                  # as #wizard's max-width
 
 
-def catalog_columns(width: int) -> tuple[str, ...]:
-    return NARROW_COLUMNS if width < NARROW_WIDTH else COLUMNS
+def catalog_columns(rows: list[dict[str, str]], width: int) -> tuple[str, ...]:
+    """The columns that fit in ``width`` terminal cells, for these rows (column -> cell text)."""
+    from rich.cells import cell_len
+    need = {c: CELL_PADDING + max([cell_len(c), *(cell_len(str(r[c])) for r in rows)]) for c in COLUMNS}
+    room = min(width, MAX_WIDTH) - WIZARD_CHROME
+    cols = list(COLUMNS)
+    for c in DROP_ORDER:
+        if sum(need[k] for k in cols) <= room:
+            break
+        cols.remove(c)
+    return tuple(cols)
 
 
 class SetupWizard(Screen):
@@ -257,9 +269,22 @@ class SetupWizard(Screen):
             self._fits[e.repo] = cat.fit(e, base)
         self._fill_rows(self.app.size.width)
 
+    def _cells(self) -> list[dict]:
+        rows = []
+        for e in self._entries.values():
+            f = self._fits[e.repo]
+            colour = {"ram": "green", "stream": "yellow"}.get(f.verdict, "red")
+            rows.append({"Model": e.name, "Family": e.family,
+                         "Params (active)": f"{e.params_b:.1f}B ({e.active_b:.1f}B)",
+                         "Disk int4": f"{e.disk_gb:.1f} GB", "Download": f"{e.download_gb:.1f} GB",
+                         "Min RAM": f"{e.min_ram_gb:.0f} GB", "Here": Text(f.short, style=colour),
+                         "key": e.repo})
+        return rows
+
     def _fill_rows(self, width: int) -> None:
         """(Re)build the table for this terminal width; the fit check column always shows."""
-        columns = catalog_columns(width)
+        rows = self._cells()
+        columns = catalog_columns(rows, width)
         if columns == self._columns:
             return
         self._columns = columns
@@ -267,13 +292,8 @@ class SetupWizard(Screen):
         row = table.cursor_row
         table.clear(columns=True)
         table.add_columns(*columns)
-        for e in self._entries.values():
-            f = self._fits[e.repo]
-            colour = {"ram": "green", "stream": "yellow"}.get(f.verdict, "red")
-            cells = {"Model": e.name, "Family": e.family, "Params (active)": f"{e.params_b:.1f}B ({e.active_b:.1f}B)",
-                     "Disk int4": f"{e.disk_gb:.1f} GB", "Download": f"{e.download_gb:.1f} GB",
-                     "Min RAM": f"{e.min_ram_gb:.0f} GB", "Here": Text(f.short, style=colour)}
-            table.add_row(*(cells[c] for c in columns), key=e.repo)
+        for cells in rows:
+            table.add_row(*(cells[c] for c in columns), key=cells["key"])
         if table.row_count:
             table.move_cursor(row=min(row, table.row_count - 1))
 

@@ -292,7 +292,7 @@ def test_a_folder_in_a_cache_snapshot_is_named_after_its_repo(env):
 
 
 def test_the_fit_check_column_shows_at_80x24(env):
-    """At 80 columns the catalog drops Family/Download/Min RAM; the verdict column stays whole."""
+    """At 80 columns the catalog drops columns until the fit check (the last one) shows whole."""
     tmp, hub = env
 
     async def run():
@@ -309,4 +309,22 @@ def test_the_fit_check_column_shows_at_80x24(env):
             await pilot.resize_terminal(130, 45)
             await pilot.pause()
             assert len(table.columns) == 7                                   # wide again: every column
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_the_real_catalog_fits_at_any_width(env, monkeypatch, width):
+    """The shipped catalog (long model names), whatever this machine's verdicts: nothing cut off."""
+    from models import catalog
+    monkeypatch.setattr(catalog, "CATALOG", catalog.Path(catalog.__file__).resolve().parent / "catalog.toml")
+
+    async def run():
+        app = make_app()
+        async with app.run_test(size=(width, 24)) as pilot:
+            await wait_for(pilot, lambda: wizard_shown(app))
+            table = app.screen.query_one("#catalog")
+            await wait_for(pilot, lambda: table.row_count > 0)
+            await pilot.pause()
+            assert [str(c.label) for c in table.columns.values()][::len(table.columns) - 1] == ["Model", "Here"]
+            assert table.virtual_size.width <= table.size.width
     asyncio.run(run())
