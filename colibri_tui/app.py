@@ -48,6 +48,7 @@ class Generation:
     started: float = field(default_factory=time.monotonic)
     applied: threading.Event = field(default_factory=threading.Event)   # set: the UI took the last batch
     thread: threading.Thread | None = None
+    detached: bool = False       # stopped by Esc before any text: the UI is done with it
 
     def __post_init__(self):
         self.applied.set()
@@ -177,6 +178,7 @@ class ColiApp(App):
         self.slot_bytes: int | None = None
         self.chat_id: int | None = None
         self.gen: Generation | None = None
+        self.stopping: Generation | None = None     # detached, its thread still ending
         self.loading = engine is None
 
     # --- layout helpers ------------------------------------------------------------------------
@@ -482,7 +484,7 @@ class ColiApp(App):
             self.notify(f"settings saved to {path}")
             keys = ("model",) + settings_mod.ENGINE_KEYS
             if any(getattr(old, k) != getattr(new, k) for k in keys) or self.engine is None:
-                if self.gen is not None:
+                if self.gen is not None or self.engine_busy():
                     self.notify("the engine reopens after this reply", severity="warning")
                     self._reopen_after = True
                 else:
@@ -657,6 +659,10 @@ class ColiApp(App):
         if self.gen is not None:
             self.notify("a reply is still streaming: Esc stops it", severity="warning")
             return False
+        if self.engine_busy():
+            self.notify("the model is still stopping the last reply: Enter again in a moment",
+                        severity="warning")
+            return False
         if self.engine is None:
             self.notify("the model is still loading" if self.loading else
                         f"no model: {self.engine_error or 'not loaded'} · set one up with Ctrl+P → "
@@ -715,8 +721,21 @@ class ColiApp(App):
         finally:
             message.gen.applied.set()
 
+    def engine_busy(self) -> bool:
+        """A reply stopped by Esc whose thread has not ended yet (it ends at the engine's next
+        check, within a layer): the engine must not start another meanwhile."""
+        st = self.stopping
+        return st is not None and st.thread is not None and st.thread.is_alive()
+
     async def _apply_batch(self, gen: Generation, batch: dict) -> None:
         if not self.is_running or not self.screen_stack:
+            return
+        if gen.detached:                 # Esc already ended this turn in the UI
+            if batch["final"] and self.stopping is gen:
+                self.stopping = None
+                if getattr(self, "_reopen_after", False):
+                    self._reopen_after = False
+                    self.resolve_and_load()
             return
         gen.text += batch["text"]
         if gen.widget is not None and gen.widget.is_attached and len(gen.widget.content) < len(gen.text):
@@ -771,10 +790,22 @@ class ColiApp(App):
             if self.screen_stack and self.chat_screen.close_overlays():      # Esc closes an overlay
                 self.prompt_input.focus()
             return
-        self.gen.cancel = True
+        gen = self.gen
+        gen.cancel = True
         if self.engine is not None:
             self.engine.cancel()
-        self.set_status(f"{self.model_name} · stopping …")
+        if gen.text:                     # a reply under way: its final batch keeps what came
+            self.set_status(f"{self.model_name} · stopping …")
+            return
+        # nothing came yet (a prefill, say): the turn ends here and now, whatever the engine is
+        # in the middle of; its thread ends at the next check and its last batch is dropped
+        gen.detached, self.gen, self.stopping = True, None, gen
+        self.set_status(f"{self.model_name} · stopped before the reply began · the prompt is back")
+        self.history.delete_message(gen.user_message_id)
+        if not self.prompt_input.text.strip():
+            self.prompt_input.text = gen.prompt
+        if self.chat_id == gen.chat_id:
+            self.call_next(self.show_chat, gen.chat_id)
 
     def on_unmount(self) -> None:
         gen = self.gen

@@ -236,7 +236,19 @@ class Engine:
             q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
         q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
         keys, values = cache.append(i, k, v)
-        out = kernels.attention(q, keys, values, self.scale, pos, L.window)
+        B = kernels.ATTENTION_QUERY_BLOCK
+        if T > B and self._cancel_checks:
+            # kernels.attention's own blocks of query rows, called one by one so that a cancel
+            # is seen between them (a long prompt's attention is most of a layer): the same bits
+            if keys.dtype != np.float32:
+                keys, values = keys.astype(np.float32), values.astype(np.float32)
+            parts = []
+            for t in range(0, T, B):
+                parts.append(kernels.attention(q[t: t + B], keys, values, self.scale, pos[t: t + B], L.window))
+                self._check_cancel()
+            out = np.concatenate(parts)
+        else:
+            out = kernels.attention(q, keys, values, self.scale, pos, L.window)
         return _linear(out, L.o, L.o_bias)
 
     def route(self, L: _Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ fallback, the export location, next/previous-chat keys. Real app (Textual Pilot)
 from __future__ import annotations
 
 import asyncio
-import functools
+import gc
 import json
 import shutil
 import time
@@ -94,6 +94,7 @@ def test_escape_stops_a_long_prefill_at_once(slow_model, dirs):
             n = await start_long_prefill(pilot)
             assert n > 900
             chat = app.chat_id
+            gc.collect()          # earlier tests' garbage: not this app's to collect in the window
             t0 = time.monotonic()
             send_key(app, "escape")
             await wait_for(pilot, lambda: app.gen is None and app.prompt_input.text == "go", timeout=30)
@@ -103,6 +104,14 @@ def test_escape_stops_a_long_prefill_at_once(slow_model, dirs):
             # nothing came back: the turn is undone and the prompt is back in the input
             assert [m.content for m in app.history.messages(chat)][-1] == LONG_TURN
             assert "stopped" in str(app.screen.query_one("#status").render())
+            # the engine itself stops within a few layers (its prefill had seconds to go), and
+            # only then can the next reply start
+            await wait_for(pilot, lambda: app.stopping is None, timeout=60)
+            engine_took = time.monotonic() - t0
+            print(f"  the engine's thread ended {engine_took:.3f} s after Esc")
+            assert engine_took < 2.0 and not app.engine_busy()
+            assert [m.content for m in app.history.messages(chat)][-1] == LONG_TURN   # nothing added
+            assert app.engine.counters["experts_s"] > 0 and app.gen is None
     asyncio.run(run())
 
 
@@ -113,6 +122,7 @@ def test_ctrl_q_quits_during_a_long_prefill_at_once(slow_model, dirs):
         app = make_app(slow_model)
         async with app.run_test(size=(120, 40)) as pilot:
             await start_long_prefill(pilot)
+            gc.collect()
             pressed["t"] = time.monotonic()
             send_key(app, "ctrl+q")
             while app.is_running and time.monotonic() - pressed["t"] < 30:

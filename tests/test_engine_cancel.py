@@ -68,3 +68,18 @@ def test_cancel_during_decode_and_checks_only_while_generating(demo):
     # a set flag outside generate() never stops logits() (teacher forcing)
     engine.cancel()
     assert engine.logits([1, 2, 3]).shape[0] == 3
+
+
+def test_cancellable_prefill_gives_the_same_bits(demo):
+    """While generate() runs, a prefill's attention goes block by block (to see a cancel between
+    blocks): the logits are the bits of the one-call path, float32 and float16 KV alike."""
+    import numpy as np
+    from models import open_model
+    for kv in ("float32", "float16"):
+        engine = open_model(str(demo), threads=1, kv_cache=kv)
+        ids = list(range(7, 7 + 700))                 # three query blocks of 256 and a part
+        plain = engine.prefill(ids, engine.new_cache())
+        engine._cancel_checks = True                  # as inside generate()
+        blocked = engine.prefill(ids, engine.new_cache())
+        engine._cancel_checks = False
+        assert plain.dtype == np.float32 and np.array_equal(plain, blocked), kv
