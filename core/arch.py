@@ -10,6 +10,8 @@ from .errors import ColiError
 # KV cache precisions the engine keeps (float16 is opt-in: outputs change slightly). Here, not in
 # core.engine, so the command line and the app settings can name them without importing numpy.
 KV_CACHES = ("float32", "float16")
+MAX_LAYERS = 100_000      # far past any model; a corrupt count must not size per-layer lists
+MAX_WIDTH = 1 << 20       # hidden_size, head_dim, heads: likewise
 
 
 @dataclass
@@ -118,10 +120,16 @@ def common_spec(r: ConfigReader, generation_config: dict | None, **kw) -> ArchSp
         raise ColiError(f"{r.model_type} config: num_attention_heads ({heads}) is not a multiple of "
                         f"num_key_value_heads ({kv})")
     head_dim = r.positive_int("head_dim", optional=True) or hidden // heads
+    for name, value, most in (("hidden_size", hidden, MAX_WIDTH), ("head_dim", head_dim, MAX_WIDTH),
+                              ("num_attention_heads", heads, MAX_WIDTH)):
+        if value > most:     # sizes tables (RoPE, norms) before any weight is read: refuse first
+            raise ColiError(f"{r.model_type} config: {name} ({value}) is implausibly large")
     top_k, experts = r.int("num_experts_per_tok"), r.int("num_experts")
     if experts and not 0 < top_k <= experts:
         raise ColiError(f"{r.model_type} config: num_experts_per_tok ({top_k}) must be in 1..{experts}")
     layers = r.int("num_hidden_layers")
+    if layers > MAX_LAYERS:     # per-layer lists are built from it: refuse before allocating
+        raise ColiError(f"{r.model_type} config: num_hidden_layers ({layers}) is implausibly large")
     spec = dict(vocab_size=r.int("vocab_size"), hidden_size=hidden, num_layers=layers,
                 num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
                 rms_norm_eps=r.number("rms_norm_eps"), num_experts=experts, top_k=top_k,

@@ -118,6 +118,13 @@ class Container:
             raise ColiError(f"{self.path}: unsupported container format "
                             f"{self.manifest.get('format')} v{self.manifest.get('format_version')}")
         self.quant: dict[str, QuantInfo] = _quant_entries(self.path, self.manifest.get("tensors", {}))
+        conv = self.manifest.get("converter")
+        gs = conv.get("group_size") if isinstance(conv, dict) else None
+        odd = next((n for n, q in self.quant.items() if q.scheme == "int4" and gs is not None
+                    and q.group_size != gs), None)
+        if odd is not None:       # the converter writes one group size for every int4 tensor
+            raise ColiError(f"{self.path}: {MANIFEST}: tensor {odd} has group size "
+                            f"{self.quant[odd].group_size}, the converter's was {gs!r}")
         shards = self.manifest.get("shards")
         if not isinstance(shards, list) or not all(isinstance(x, str) and x for x in shards):
             raise ColiError(f"{self.path}: {MANIFEST} has no valid list of shards")

@@ -16,11 +16,18 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 def rope_parameters(config: dict) -> dict:
     """The standardised ``rope_parameters`` dict (transformers 5), also from older configs that
     keep ``rope_theta`` / ``rope_scaling`` at the top level."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(raw, dict):
+        raise ColiError(f"rope_parameters must be a JSON object, got {raw!r}")
+    params = dict(raw)
     if any(isinstance(v, dict) for v in params.values()):
         raise ColiError("per-layer-type rope_parameters are not supported for this model type")
     params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", config.get("rope_theta", DEFAULT_THETA))
+    if not isinstance(params["rope_type"], str):
+        raise ColiError(f"rope_parameters: rope_type must be a string, got {params['rope_type']!r}")
+    if params.get("rope_theta") is None:        # absent or null: the top level's, else the default
+        top = config.get("rope_theta")
+        params["rope_theta"] = DEFAULT_THETA if top is None else top
     if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings",
                           config.get("original_max_position_embeddings", config.get("max_position_embeddings")))

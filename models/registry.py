@@ -17,7 +17,7 @@ def supported_types() -> list[str]:
 
 def family_for(config: dict):
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ColiError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported_types())})")
     return FAMILIES[model_type]
 
@@ -26,6 +26,6 @@ def validate_config(config: dict, shapes: dict | None = None, where: str = "the 
     """Refuse, before any work, a config we could not run (used by the converter); with
     ``shapes`` (tensor name -> logical shape), also weights that disagree with the config."""
     spec = family_for(config).spec(config)
-    Rope(config, spec.head_dim)
     if shapes is not None:
         check_layout(spec, shapes, where)
+    Rope(config, spec.head_dim)

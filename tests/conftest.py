@@ -21,6 +21,10 @@ def pytest_addoption(parser):
     parser.addoption("--oracle-fresh", action="store_true",
                      help="regenerate the oracle fixtures with fresh seeds (needs the oracle extra) "
                           "and check against those instead of the committed ones")
+    parser.addoption("--fuzz-seconds", type=float, default=25.0,
+                     help="time budget of the mutation fuzz test (tests/test_fuzz.py)")
+    parser.addoption("--fuzz-seed", type=int, default=None,
+                     help="seed of the mutation fuzz test (default: a fixed seed)")
 
 
 def tiny_config(model_type: str = "qwen3_moe", **over) -> dict:

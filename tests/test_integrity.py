@@ -105,7 +105,7 @@ def _first_int4(manifest) -> str:
 
 @pytest.mark.parametrize("change, match", [
     (lambda q: q.update(group_size=1 << 30), "group_size"),
-    (lambda q: q.update(group_size=8), "does not match"),           # a group size that fits no .qs
+    (lambda q: q.update(group_size=8), "has group size 8, the converter's was 64"),
     (lambda q: q.update(shape=[q["shape"][0], q["shape"][1] + 2]), "does not match"),
     (lambda q: q.update(shape=[q["shape"][0] * 2, q["shape"][1]]), "does not match"),
     (lambda q: q.update(shape=["4", 8]), "shape"),
@@ -328,3 +328,14 @@ def test_an_edited_header_is_refused_by_its_digest(container, capsys, edit):
     _edit_json(container / MANIFEST, lambda m: m["checksums"].pop("model-other.safetensors"))
     line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "has no checksum for model-other.safetensors" in line
+
+
+def test_a_group_size_that_fits_no_scales_is_refused(container, capsys):
+    def edit(m):            # every int4 entry and the converter's record: consistent, but wrong
+        for q in m["tensors"].values():
+            if q["scheme"] == "int4":
+                q["group_size"] = 8
+        m["converter"]["group_size"] = 8
+    _edit_json(container / MANIFEST, edit)
+    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    assert "does not match its colibri.json entry" in line, line

@@ -1,0 +1,259 @@
+"""Mutation fuzzing of a real converted container (issue 16): seeded random damage to shard
+headers, the manifest, config.json, generation_config.json, tokenizer_config.json and the usage
+history, then the real command line (``coli logits``, in process). Every outcome must be
+
+* one ``coli: error:`` line and exit 1, or
+* exit 0 with finite logits -- identical to the pristine container's for every mutation that is
+  not a config value (headers, the manifest, side files, the usage history: placement and
+  metadata decide speed, never output);
+
+never exit 2, a traceback, a hang or NaN logits. ``--fuzz-seconds`` (default 25) bounds the run,
+``--fuzz-seed`` picks other mutations; failures print the seed and case to replay.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from colibri_tui.cli import main as coli
+from core.container import MANIFEST
+from tests.conftest import tiny_config, tokenizer_files, write_hf_model
+
+DEFAULT_SEED = 20261201
+CASE_TIMEOUT_S = 20
+IDS = "1,2,3,4,5"
+TARGETS = ("header_bytes", "header_json", "header_json_nodigest", "manifest", "config",
+           "generation_config", "tokenizer_config", "usage")
+WEIRD = [0, -1, 1, 2, 3.5, -0.0, 1e300, float("nan"), float("inf"), "", "x", "64", [], [1, 2],
+         {}, {"a": 1}, None, True, False, 2 ** 31, 2 ** 63]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz")
+    src = write_hf_model(d / "src", tiny_config(num_experts=4))
+    tokenizer_files(src, 97)
+    assert coli(["convert", str(src), str(d / "c"), "--bits", "4"]) == 0
+    out = d / "ref.npy"
+    assert coli(["logits", "--model", str(d / "c"), "--ids", IDS, "--out", str(out), "--threads", "1",
+                 "--cap", "2"]) == 0
+    return d / "c", np.load(out)
+
+
+def _header(data: bytes) -> tuple[int, dict]:
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8: 8 + n])
+
+
+def _mutate_value(rng: random.Random, v):
+    """Another value: a weird one, or a nearby one of the same kind."""
+    if rng.random() < 0.5 or not isinstance(v, (int, float, list, str)) or isinstance(v, bool):
+        return rng.choice(WEIRD)
+    if isinstance(v, list):
+        v = list(v)
+        if v and rng.random() < 0.5:
+            k = rng.randrange(len(v))
+            v[k] = _mutate_value(rng, v[k])
+        elif v and rng.random() < 0.5:
+            v.pop(rng.randrange(len(v)))
+        else:
+            v.append(rng.choice(WEIRD))
+        return v
+    if isinstance(v, str):
+        return v[:-1] if v and rng.random() < 0.5 else v + rng.choice(["0", " ", ".", "_"])
+    return v + rng.choice([-1, 1, 8, -8]) if isinstance(v, int) else v * rng.choice([0.5, 2.0, -1.0])
+
+
+def _mutate_json(rng: random.Random, obj, depth: int = 0):
+    """One change somewhere in a JSON value: replace, delete or add a key, or mutate a leaf."""
+    if isinstance(obj, dict) and obj:
+        key = rng.choice(sorted(obj, key=str))
+        r = rng.random()
+        if r < 0.15:
+            del obj[key]
+        elif r < 0.25:
+            obj[key + "_x"] = rng.choice(WEIRD)
+        elif isinstance(obj[key], (dict, list)) and obj[key] and rng.random() < 0.7 and depth < 4:
+            _mutate_json(rng, obj[key], depth + 1)
+        else:
+            obj[key] = _mutate_value(rng, obj[key])
+    elif isinstance(obj, list) and obj:
+        k = rng.randrange(len(obj))
+        if isinstance(obj[k], (dict, list)) and obj[k] and rng.random() < 0.7 and depth < 4:
+            _mutate_json(rng, obj[k], depth + 1)
+        else:
+            obj[k] = _mutate_value(rng, obj[k])
+    return obj
+
+
+def _diff(a, b, path="") -> list[str]:
+    """Where two JSON values differ, as 'path: old -> new' (for failure messages)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in b:
+                out.append(f"{path}/{k}: deleted")
+            elif k not in a:
+                out.append(f"{path}/{k}: added {b[k]!r}"[:200])
+            else:
+                out += _diff(a[k], b[k], f"{path}/{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} -> {b!r}"[:200]]
+
+
+def _edit_manifest(d, change):
+    m = json.loads((d / MANIFEST).read_text())
+    change(m)
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+def mutate(rng: random.Random, d, target: str) -> str:
+    """Damage the container copy in ``d``; returns what was done (for the failure message)."""
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    if target == "header_bytes":
+        s = d / rng.choice(shards)
+        data = bytearray(s.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        k = rng.randrange(8 + n)
+        data[k] = rng.randrange(256)
+        s.write_bytes(bytes(data))
+        return f"{s.name} byte {k} := {data[k]}"
+    if target in ("header_json", "header_json_nodigest"):
+        if target == "header_json_nodigest":          # an older container: the validator alone
+            _edit_manifest(d, lambda m: m.pop("checksums", None))
+        s = d / rng.choice(shards)
+        data = s.read_bytes()
+        n, header = _header(data)
+        before = json.loads(json.dumps(header))
+        _mutate_json(rng, header)
+        if rng.random() < 0.2 and len(header) > 1:    # two tensors on one byte range
+            a, b = rng.sample(sorted(k for k in header if k != "__metadata__"), 2)
+            if isinstance(header[a], dict) and isinstance(header[b], dict):
+                header[b] = dict(header[b], data_offsets=header[a].get("data_offsets"))
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        delta = rng.choice([0, 0, 0, -1, -2, -3, 1])
+        s.write_bytes((len(blob) + delta).to_bytes(8, "little") + blob + data[8 + n:])
+        return f"{s.name} header: {_diff(before, header)} (length field {delta:+d})"
+    if target == "manifest":
+        m = json.loads((d / MANIFEST).read_text())
+        before = json.loads(json.dumps(m))
+        _mutate_json(rng, m)
+        (d / MANIFEST).write_text(json.dumps(m))
+        return f"manifest: {_diff(before, m)}"
+    if target in ("config", "generation_config", "tokenizer_config"):
+        p = d / f"{target}.json"
+        data = json.loads(p.read_text())
+        before = json.loads(json.dumps(data))
+        _mutate_json(rng, data)
+        p.write_text(json.dumps(data))
+        return f"{p.name}: {_diff(before, data)}"
+    if target == "usage":
+        p = d / ".coli_usage"
+        lines = ["-1 2 4", "-2 1 7"] + [f"{rng.randrange(-2, 3)} {rng.randrange(-1, 5)} "
+                                        f"{rng.choice(['1', '7', '1e308', 'inf', 'nan', '-3', 'x', '0.5'])}"
+                                        for _ in range(rng.randrange(1, 6))]
+        if rng.random() < 0.3:
+            p.write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
+            return "usage := random bytes"
+        rng.shuffle(lines)
+        p.write_text("\n".join(lines) + "\n")
+        return "usage := " + " | ".join(lines)
+    raise AssertionError(target)
+
+
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def fire(*_):
+        raise _Timeout()
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_case(container, out) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+            _deadline(CASE_TIMEOUT_S):
+        try:
+            rc = coli(["logits", "--model", str(container), "--ids", IDS, "--out", str(out),
+                       "--threads", "1", "--cap", "2"])
+        except _Timeout:
+            rc = "hang"
+        except BaseException as e:                          # noqa: BLE001 - that is the finding
+            rc = f"raised {e.__class__.__name__}: {e}"
+    return rc, err.getvalue()
+
+
+def test_mutations_give_identical_output_or_one_clean_error(pristine, tmp_path, request):
+    container, ref = pristine
+    seed = request.config.getoption("--fuzz-seed") or DEFAULT_SEED
+    budget = request.config.getoption("--fuzz-seconds")
+    rng = random.Random(seed)
+    t_end = time.monotonic() + budget
+    outcomes = {t: {"same": 0, "error": 0, "changed": 0} for t in TARGETS}
+    failures, case = [], 0
+    os.environ.pop("COLI_DEBUG", None)
+    while time.monotonic() < t_end and len(failures) < 5:
+        case += 1
+        target = TARGETS[case % len(TARGETS)]
+        d = tmp_path / f"case{case % 2}"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(container, d)
+        what = mutate(rng, d, target)
+        out = tmp_path / "l.npy"
+        out.unlink(missing_ok=True)
+        rc, err = run_case(d, out)
+        lines = err.strip().splitlines()
+        where = f"seed {seed} case {case} ({target}): {what}"
+        if rc == 1:
+            # warnings (an ignored usage history) may precede the error line; nothing else
+            others = [l for l in lines if not l.startswith("coli: warning:")]
+            if len(others) != 1 or not others[0].startswith("coli: error:") or "internal error" in err:
+                failures.append(f"{where}\n  exit 1 without one clean line: {lines[-3:]}")
+            outcomes[target]["error"] += 1
+            continue
+        if rc != 0:
+            failures.append(f"{where}\n  outcome {rc!r}: {lines[-3:]}")
+            continue
+        if "Traceback" in err or any(not l.startswith(("coli: warning:", "colibri:")) for l in lines
+                                     if l.startswith("coli")):
+            failures.append(f"{where}\n  exit 0 but stderr: {lines[-3:]}")
+        logits = np.load(out)
+        if not np.isfinite(logits).all():
+            failures.append(f"{where}\n  NaN/inf logits")
+        elif logits.shape == ref.shape and np.array_equal(logits, ref):
+            outcomes[target]["same"] += 1
+        elif target == "config":
+            outcomes[target]["changed"] += 1        # a valid config value may change the model
+        else:
+            failures.append(f"{where}\n  different logits from a change that is not a config value")
+    print(f"\nfuzz: seed {seed}, {case} cases in {budget:.0f} s: " +
+          ", ".join(f"{t} {o['same']} same / {o['error']} refused / {o['changed']} changed"
+                    for t, o in outcomes.items()))
+    assert not failures, "\n".join(failures)
+    assert case >= len(TARGETS)
