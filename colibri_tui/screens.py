@@ -27,7 +27,20 @@ MODAL_CSS = """
 
 class MessageScreen(ModalScreen[None]):
     """A clear message (e.g. no model configured); Esc or the button closes it."""
-    DEFAULT_CSS = MODAL_CSS.format(name="MessageScreen")
+    DEFAULT_CSS = MODAL_CSS.format(name="MessageScreen") + """
+    MessageScreen #message-scroll { height: auto; }
+    """
+    CHROME_ROWS = 10         # the dialog around the body: border, padding, title, the button row
+
+    def on_mount(self) -> None:
+        self._fit(self.app.size.height)
+
+    def on_resize(self, event) -> None:
+        self._fit(event.size.height)
+
+    def _fit(self, rows: int) -> None:
+        """The body gets what the terminal has left (it scrolls beyond), so the button stays."""
+        self.query_one("#message-scroll").styles.max_height = max(3, int(rows * 0.9) - self.CHROME_ROWS)
     BINDINGS = [Binding("escape", "dismiss", "Close")]
 
     def __init__(self, title: str, body: str, button: str = "OK"):
@@ -38,7 +51,8 @@ class MessageScreen(ModalScreen[None]):
         with Vertical():
             # the body quotes paths and error text: untrusted, shown as plain visible text
             yield Label(Text(one_line(self.title_text)), classes="title", id="message-title")
-            yield Static(Text(visible(self.body)), id="message-body", markup=False)
+            with VerticalScroll(id="message-scroll"):      # a small terminal: the body scrolls, the button stays
+                yield Static(Text(visible(self.body)), id="message-body", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button(self.button, variant="primary", id="ok")
 

@@ -96,3 +96,46 @@ def test_chat_120x40(container, dirs, snap_compare):
         await steady(pilot)
 
     assert snap_compare(make_app(container), terminal_size=LARGE, run_before=run_before)
+
+
+def test_settings_80x24(container, dirs, snap_compare):
+    """F5 at 80x24: the settings dialog fits (it scrolls inside)."""
+    async def run_before(pilot):
+        from colibri_tui.screens import SettingsScreen
+        await ready(pilot)
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
+        await steady(pilot)
+
+    assert snap_compare(make_app(container), terminal_size=SMALL, run_before=run_before)
+
+
+def test_no_model_message_80x24(dirs, monkeypatch, snap_compare):
+    """No model and no demo at 80x24: the explanation fits and names the setup wizard."""
+    import models
+    monkeypatch.setattr(models, "default_model", lambda: None)
+
+    async def run_before(pilot):
+        from colibri_tui.screens import MessageScreen
+        app = pilot.app
+        await wait_for(pilot, lambda: isinstance(app.screen, MessageScreen) and app.screen.query("#message-body"))
+        await steady(pilot)
+
+    assert snap_compare(make_app(), terminal_size=SMALL, run_before=run_before)
+
+
+def test_a_long_message_keeps_its_button_on_a_small_terminal(container, dirs):
+    from colibri_tui.screens import MessageScreen
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=SMALL) as pilot:
+            await ready(pilot)
+            app.push_screen(MessageScreen("Long", "\n".join(f"line {i}" for i in range(60))))
+            await wait_for(pilot, lambda: isinstance(app.screen, MessageScreen) and app.screen.query("#ok"))
+            await pilot.pause()
+            ok = app.screen.query_one("#ok").region
+            assert ok.height == 3 and ok.bottom <= SMALL[1] - 1           # whole, above the footer
+            await pilot.click("#ok")
+            assert not isinstance(app.screen, MessageScreen)
+    asyncio.run(run())
