@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p, store=False)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+    p = sub.add_parser("verify", help="check every shard of a container against the checksums "
+                                      "recorded at conversion")
+    p.add_argument("--model", metavar="DIR", default=os.environ.get("COLI_MODEL"),
+                   help="a converted colibrì container (default: $COLI_MODEL, else the demo model)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     p = sub.add_parser("plan", help="RAM budget, slots per tier, projected hit rate, what bounds speed")
     _add_model(p, store=False)
     g = p.add_mutually_exclusive_group()
@@ -255,6 +261,11 @@ def cmd_run(args) -> int:
 
     if (args.prompt is None) == (args.ids is None):
         raise ColiError("give either PROMPT or --ids")
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")       # undecodable bytes in argv arrive as lone surrogates
+        except UnicodeEncodeError:
+            raise ColiError("PROMPT is not valid UTF-8 text") from None
     if args.max_new_tokens < 0:
         raise ColiError("--max-new-tokens must be >= 0")
     try:
@@ -300,6 +311,8 @@ def cmd_logits(args) -> int:
     out = Path(args.out)
     if not out.parent.exists():
         raise ColiError(f"--out: directory {out.parent} does not exist")
+    if out.is_dir():
+        raise ColiError(f"--out {out} is a directory; give a file name (FILE.npy)")
     logits = _open(args).logits(ids)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -362,6 +375,26 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from core.integrity import verify
+
+    path = Path(_need_model(args))
+    with _progress_bar("verifying", lambda e: e) as bar:      # e: (done, total, shard)
+        result = verify(path, progress=(lambda *e: bar(e)) if bar is not None else None)
+    if args.json:
+        print(json.dumps({"path": str(path), "ok": result.ok, "checked": result.checked,
+                          "damaged": result.damaged, "unrecorded": result.unrecorded}))
+    if result.unrecorded:
+        raise ColiError(f"{path} has no recorded checksums (converted by an older coli); convert it "
+                        f"again to add them")
+    if result.damaged:
+        raise ColiError(f"{len(result.damaged)} of {len(result.damaged) + len(result.checked)} shards "
+                        f"of {path} are damaged ({'; '.join(result.damaged)}); convert the model again")
+    if not args.json:
+        print(f"{path}: all {len(result.checked)} shards match their checksums", file=sys.stderr)
+    return 0
+
+
 def _cmd_chat(args) -> int:
     from .app_cli import run_app
     return run_app(args)
@@ -389,7 +422,7 @@ def _cmd_completion(args) -> int:
 
 
 COMMANDS = {"download": cmd_download, "convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
-            "plan": cmd_plan, "replay": _cmd_replay, "chat": _cmd_chat, "list": _cmd_list, "rm": _cmd_rm,
+            "plan": cmd_plan, "verify": cmd_verify, "replay": _cmd_replay, "chat": _cmd_chat, "list": _cmd_list, "rm": _cmd_rm,
             "completion": _cmd_completion}
 
 

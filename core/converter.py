@@ -261,6 +261,10 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
         raise ColiError(f"--group-size must be an even number in 2..{MAX_GROUP_SIZE}, not {group_size}")
     if not src.is_dir():
         raise ColiError(f"{src}: no such directory")
+    if out.exists() and not out.is_dir():
+        raise ColiError(f"{out} exists and is not a directory; choose another output directory")
+    if src.resolve() == out.resolve() or src.resolve().is_relative_to(out.resolve()):
+        raise ColiError(f"the output {out} is or contains the source {src}; choose another directory")
     config = load_config(src)
     if validate_config is not None:
         validate_config(config)

@@ -1,6 +1,7 @@
 """How many experts per layer fit in RAM, and what bounds speed: ``coli plan`` and open_model."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -90,8 +91,8 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
             raise ColiError("--cap must be >= 1")
         mode, n = "cap", cap
     elif ram_gb is not None:
-        if ram_gb <= 0:
-            raise ColiError("--ram-gb must be > 0")
+        if not math.isfinite(ram_gb) or ram_gb <= 0:
+            raise ColiError("--ram-gb must be a finite number > 0")
         mode, n = "ram-gb", int(ram_gb * GB // (slot * max(1, len(layers))))
         if n < 1:
             raise ColiError(f"--ram-gb {ram_gb:g} is too small: one expert per layer needs "

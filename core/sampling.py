@@ -1,6 +1,7 @@
 """Choosing the next token: greedy, or temperature -> top-k -> top-p (the order transformers uses)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
@@ -9,11 +10,16 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+MAX_SEED = 2 ** 64 - 1          # numpy's generators take seeds in 0..2^64-1 (and larger, slowly)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None = None) -> None:
     """ValueError for settings no sampler accepts (numpy-free, so the UI can validate too)."""
-    if temperature < 0:
-        raise ValueError("temperature must be >= 0")
-    if not 0 < top_p <= 1:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or temperature < 0:
+        raise ValueError("temperature must be a finite number >= 0")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise ValueError(f"seed must be an integer in 0..{MAX_SEED}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):        # NaN fails this too
         raise ValueError("top-p must be in (0, 1]")
     if top_k < 0:
         raise ValueError("top-k must be >= 0")
@@ -28,7 +34,7 @@ class SamplingParams:
     greedy: bool = False
 
     def __post_init__(self):
-        check_sampling(self.temperature, self.top_k, self.top_p)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     @property
     def is_greedy(self) -> bool:

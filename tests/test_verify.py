@@ -82,3 +82,58 @@ def test_the_demo_model_carries_its_checksums():
     if not (demo / "colibri.json").exists():
         pytest.skip("no embedded demo model")
     assert verify(demo).ok
+
+
+# --- coli verify ---------------------------------------------------------------------------------
+def test_coli_verify_passes_and_names_a_flipped_byte(converted, tmp_path, capsys):
+    from colibri_tui.cli import main as coli
+    capsys.readouterr()
+    assert coli(["verify", "--model", str(converted)]) == 0
+    assert "all 4 shards match" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    shutil.copytree(converted, bad)
+    shard = bad / "layer-002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 1
+    shard.write_bytes(bytes(data))
+    assert coli(["verify", "--model", str(bad), "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["damaged"] == ["layer-002.safetensors: checksum mismatch (the file's bytes changed)"]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("coli: error: 1 of 4 shards") and "layer-002" in lines[0]
+
+
+def test_coli_verify_on_a_container_without_checksums(converted, tmp_path, capsys):
+    from colibri_tui.cli import main as coli
+    old = tmp_path / "old"
+    shutil.copytree(converted, old)
+    m = json.loads((old / "colibri.json").read_text())
+    del m["checksums"]
+    (old / "colibri.json").write_text(json.dumps(m))
+    capsys.readouterr()
+    assert coli(["verify", "--model", str(old)]) == 1
+    assert "no recorded checksums" in capsys.readouterr().err
+
+
+def test_coli_verify_shows_progress_on_a_terminal(converted):
+    """On a terminal the progress bar takes verify's (done, total, shard) events."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    m, s = pty.openpty()
+    r = subprocess.run([sys.executable, "-m", "colibri_tui", "verify", "--model", str(converted)],
+                       stdin=s, stdout=s, stderr=s, timeout=120, cwd=ROOT)
+    os.close(s)
+    out = b""
+    try:
+        while True:
+            chunk = os.read(m, 65536)
+            if not chunk:
+                break
+            out += chunk
+    except OSError:
+        pass
+    os.close(m)
+    assert r.returncode == 0, out.decode(errors="replace")[-2000:]
+    assert b"all 4 shards match" in out
