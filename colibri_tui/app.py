@@ -83,6 +83,7 @@ class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "app.stop_reply", "Stop", show=True),
         Binding("ctrl+n", "app.new_chat", "New chat", priority=True),
+        Binding("f1", "app.about", "About", show=False, priority=True),
         Binding("f2", "app.toggle_panel", "Tier panel", priority=True),
         Binding("ctrl+t", "app.toggle_panel", "Tier panel", show=False),
         Binding("f3", "app.toggle_chats", "Chats", priority=True),
@@ -400,6 +401,10 @@ class ColiApp(App):
         elif overlay:
             self.prompt_input.focus()
 
+    def action_about(self) -> None:
+        from .about import about_text
+        self.push_screen(MessageScreen("About colibrì", about_text(self.model_path)))
+
     async def action_new_chat(self) -> None:
         chat = self.history.new_chat(sampling=self.settings.sampling)
         self.chat_id = chat.id
@@ -623,6 +628,8 @@ class ColiApp(App):
         yield SystemCommand("Set up a model", "Download, convert and verify a model, or pick a folder "
                             "(resumes an unfinished setup)", self.action_setup_wizard)
         yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
+        yield SystemCommand("About", "Version, model, and where the log, config and chats live (F1)",
+                            self.action_about)
         yield SystemCommand("Stop reply", "Stop the reply being generated (Esc)", self.action_stop_reply)
         yield SystemCommand("Toggle tier panel", "Show or hide the tier panel and Brain map (F2)",
                             self.action_toggle_panel)
