@@ -225,14 +225,45 @@ class ColiApp(App):
         if self.settings.theme and self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         self._theme_ready = True
+        # core prints its warnings (a damaged usage history, say) as `coli: warning:` lines on
+        # stderr, which the full-screen app would swallow: they become toasts (on_print)
+        self.begin_capture_print(self, stdout=False, stderr=True)
+        self.show_notices(self.settings.notices)         # a bad config.toml, named key by key
         chats = self.history.chats()
         chat = chats[0] if chats else self.history.new_chat(sampling=self.settings.sampling)
         self.refresh_chat_list()
-        await self.show_chat(chat.id)
+        await self.show_chat(chat.id)                    # shows the history's notices too
         if self.engine is not None:
             self._engine_ready()
         else:
             self.resolve_and_load()
+
+    NOTICES_SHOWN = 6            # toasts at once; the rest are counted (and all are in the log)
+
+    def show_notices(self, notices: list[str]) -> None:
+        """Warn, with toasts, about what was wrong in a file (each notice once: the list is emptied)."""
+        items, notices[:] = list(notices), []
+        if not items:
+            return
+        from .paths import logger
+        for text in items:
+            logger("app").warning("%s", text)
+        for text in items[: self.NOTICES_SHOWN]:
+            self.notify(text, severity="warning", timeout=20)
+        if len(items) > self.NOTICES_SHOWN:
+            self.notify(f"… and {len(items) - self.NOTICES_SHOWN} more problems of the same kind (all "
+                        f"in the log)", severity="warning", timeout=20)
+
+    def on_print(self, event) -> None:
+        """stderr while the app runs (begin_capture_print): `coli: warning:` lines as toasts."""
+        if not event.stderr:
+            return
+        buf = getattr(self, "_stderr_buf", "") + event.text
+        *lines, self._stderr_buf = buf.split("\n")
+        self._stderr_buf = self._stderr_buf[-4096:]           # never an unbounded partial line
+        for line in lines:
+            if line.startswith("coli: warning: "):
+                self.show_notices([line[len("coli: warning: "):]])
 
     def resolved_model(self) -> str | None:
         if self.model_path:
@@ -391,6 +422,7 @@ class ColiApp(App):
         if chat:
             self.show_title(chat.title)
         self._select_current_chat()
+        self.show_notices(self.history.notices)        # damaged rows: skipped, each said once
 
     @on(ListView.Selected, "#chat-list")
     async def _chat_selected(self, event: ListView.Selected) -> None:
@@ -484,6 +516,7 @@ class ColiApp(App):
                 self.notify(f"settings not saved: {e}", severity="error")
                 return
             self.settings = new
+            self.show_notices(new.notices)              # a damaged config moved aside: where
             if new.model != old.model:
                 self.model_path = None           # a model chosen here beats --model from the start
             self.notify(f"settings saved to {path}")

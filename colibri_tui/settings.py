@@ -1,17 +1,24 @@
 """The app's settings: a TOML file under platformdirs' user config dir, with environment overrides.
 
 ``COLI_CONFIG_DIR`` moves the config (tests), ``COLI_MODEL`` and ``COLI_RAM_GB`` override the
-stored model and RAM budget. Writes are atomic (temporary file + rename).
+stored model and RAM budget. Writes are atomic (``core.fileio.atomic_write_text``). The file is
+untrusted: an invalid value falls back to its default and an unreadable file to the defaults,
+each with a line in ``Settings.notices`` (the app shows them); saving over an unreadable file
+moves it aside first, so nothing the user wrote is lost.
 """
 from __future__ import annotations
 
+import math
 import os
+import stat
+import time
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from core.arch import KV_CACHES
 from core.policies import POLICY_NAMES as POLICIES
+from core.sampling import MAX_SEED
 
 APP_NAME = "colibri"
 
@@ -49,6 +56,69 @@ def export_dir() -> Path:
     return Path(user_documents_dir()) / APP_NAME
 
 
+MAX_THREADS = 1024       # a typo like 100000 would have OpenMP start that many threads
+_SHOW = 40
+
+
+def show_value(v) -> str:
+    """A value or key from a file, short (it goes into a notice; notify makes it plain text)."""
+    r = repr(v)
+    return r if len(r) <= _SHOW else r[: _SHOW - 1] + "…"
+
+
+def _note(notices: list | None, text: str) -> None:
+    if notices is not None and text not in notices:
+        notices.append(text)
+
+
+def _number(v) -> float:
+    """A finite number from TOML/JSON (a numeric string too); never a bool, inf or NaN."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise TypeError("not a number")
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not math.isfinite(f):
+        raise ValueError("not a finite number")
+    return f
+
+
+def _whole(v) -> int:
+    """A whole number: 12 or 12.0 (or "12"), never 12.5, a bool, inf or NaN."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    f = _number(v)
+    if f != int(f):
+        raise ValueError("not a whole number")
+    return int(f)
+
+
+def _between(kind, lo=None, hi=None, lo_open=False):
+    def check(v):
+        x = kind(v)
+        if lo is not None and (x < lo or (lo_open and x == lo)):
+            raise ValueError(f"must be {'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else ""))
+        if hi is not None and x > hi:
+            raise ValueError(f"must be <= {hi}" + (f" and {'>' if lo_open else '>='} {lo}" if lo is not None else ""))
+        return x
+    return check
+
+
+_SAMPLING_CHECKS = {
+    "temperature": _between(_number, 0.0),
+    "top_p": _between(_number, 0.0, 1.0, lo_open=True),
+    "top_k": _between(_whole, 0),
+    "max_new_tokens": _between(_whole, 1),
+    "seed": _between(_whole, 0, MAX_SEED),            # numpy's generators take 0..2^64-1
+}
+
+
 @dataclass
 class Sampling:
     """Per-chat sampling (the defaults live in the config)."""
@@ -59,24 +129,37 @@ class Sampling:
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "Sampling":
-        d = d or {}
+    def from_dict(cls, d, notices: list | None = None, where: str = "sampling") -> "Sampling":
+        """Sampling from a config table or a chat's stored JSON, both untrusted: a value that is
+        not valid (``inf``, ``-1``, a list, a string) falls back to its default, and ``notices``
+        (when given) gets one line naming the key, so nothing goes wrong in silence."""
         s = cls()
-        kinds = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "seed": int}
-        for name, kind in kinds.items():
-            if d.get(name) is not None:
-                try:
-                    setattr(s, name, kind(d[name]))
-                except (TypeError, ValueError):
-                    pass
-        s.validate()
+        if d is None:
+            return s
+        if not isinstance(d, dict):
+            _note(notices, f"{where} is not a table of settings ({show_value(d)}): the defaults are used")
+            return s
+        for name, value in d.items():
+            check = _SAMPLING_CHECKS.get(name)
+            if check is None:
+                _note(notices, f"{where}: unknown key {show_value(name)} ignored")
+                continue
+            if value is None:
+                continue
+            try:
+                setattr(s, name, check(value))
+            except (TypeError, ValueError, OverflowError) as e:
+                default = getattr(cls(), name)
+                _note(notices, f"{where}.{name} = {show_value(value)} is invalid ({e}): the default "
+                               f"({'a random seed' if default is None else default}) is used")
         return s
 
     def validate(self) -> None:
         from core.sampling import check_sampling
-        check_sampling(self.temperature, self.top_k, self.top_p)
-        if self.max_new_tokens < 1:
-            raise ValueError("max new tokens must be >= 1")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
+                or self.max_new_tokens < 1:
+            raise ValueError("max new tokens must be a whole number >= 1")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -99,61 +182,136 @@ class Settings:
     theme: str = ""                 # a Textual theme name; "" = the default
     # where each value came from when an environment variable overrode it (not saved)
     overridden: dict = field(default_factory=dict, repr=False)
+    # what was wrong with the config (invalid values, an unreadable file): the app shows these
+    notices: list = field(default_factory=list, repr=False, compare=False)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-        if self.ram_gb is not None and self.ram_gb <= 0:
-            raise ValueError("RAM budget must be > 0 GB")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError("threads must be >= 1")
+        if self.ram_gb is not None and not (isinstance(self.ram_gb, (int, float)) and math.isfinite(self.ram_gb)
+                                            and self.ram_gb > 0):
+            raise ValueError("RAM budget must be a finite number > 0 GB")
+        if self.threads is not None and not (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS):
+            raise ValueError(f"threads must be a whole number in 1..{MAX_THREADS}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"KV cache must be one of {', '.join(KV_CACHES)}")
         self.sampling.validate()
 
 
 def _num(v, kind):
+    """An environment value: None when it is not a finite number."""
     if v is None or v == "":
         return None
     try:
-        return kind(v)
-    except (TypeError, ValueError):
+        x = kind(v)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return x if math.isfinite(x) else None
+
+
+def _bool(v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError("not true or false")
+    return v
+
+
+def _one_of(names):
+    def check(v):
+        if not isinstance(v, str) or v not in names:
+            raise ValueError(f"not one of {', '.join(names)}")
+        return v
+    return check
+
+
+def _text(v) -> str:
+    if not isinstance(v, str):
+        raise TypeError("not a string")
+    return v
+
+
+# [engine]: key -> check (None = absent = automatic, for ram_gb and threads)
+_ENGINE_CHECKS = {
+    "ram_gb": _between(_number, 0.0, lo_open=True),
+    "policy": _one_of(POLICIES),
+    "prefetch": _bool,
+    "threads": _between(_whole, 1, MAX_THREADS),
+    "o_direct": _bool,
+    "kv_cache": _one_of(KV_CACHES),
+}
+_TOP_CHECKS = {"model": _text, "theme": _text}
+
+
+def _read(path: Path) -> tuple[dict, str | None]:
+    """(the config's table, None) or ({}, why it cannot be used). A missing file is fine."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return {}, e.strerror or str(e)
+    if not stat.S_ISREG(st.st_mode):              # a directory; a FIFO would block the read
+        return {}, "not a regular file"
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8")), None
+    except OSError as e:
+        return {}, e.strerror or str(e)
+    except UnicodeDecodeError:
+        return {}, "not UTF-8 text"
+    except tomllib.TOMLDecodeError as e:
+        return {}, f"not valid TOML ({e})"
+    except RecursionError:
+        return {}, "not valid TOML (nested too deeply)"
+
+
+def _check(table: dict, checks: dict, target, where: str, notices: list) -> None:
+    """Set each valid key of ``table`` on ``target``; an invalid one keeps the default, noted."""
+    for key, value in table.items():
+        check = checks.get(key)
+        if check is None:
+            continue
+        try:
+            setattr(target, key, check(value))
+        except (TypeError, ValueError, OverflowError) as e:
+            default = getattr(Settings(), key)
+            shown = "automatic" if default is None else repr(default) if isinstance(default, str) else default
+            _note(notices, f"{where}{key} = {show_value(value)} is invalid ({e}): the default ({shown}) is used")
 
 
 def load(path: Path | None = None, env: dict | None = None) -> Settings:
-    """Read the config (a missing or unreadable file gives the defaults) and apply env overrides."""
+    """Read the config and apply env overrides. Never raises: an unreadable file gives the
+    defaults, an invalid value its default, and each says so in ``Settings.notices``."""
     path = path or config_path()
     env = os.environ if env is None else env
     s = Settings()
-    data: dict = {}
-    if path.exists():
-        try:
-            data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
-            data = {}
-    eng = data.get("engine", {}) if isinstance(data.get("engine"), dict) else {}
-    s.model = str(data.get("model", "") or "")
-    s.theme = str(data.get("theme", "") or "")
-    s.ram_gb = _num(eng.get("ram_gb"), float)
-    if eng.get("policy") in POLICIES:
-        s.policy = eng["policy"]
-    s.prefetch = bool(eng.get("prefetch", True))
-    s.threads = _num(eng.get("threads"), int)
-    s.o_direct = bool(eng.get("o_direct", False))
-    if eng.get("kv_cache") in KV_CACHES:
-        s.kv_cache = eng["kv_cache"]
-    try:
-        s.sampling = Sampling.from_dict(data.get("sampling"))
-    except ValueError:
-        s.sampling = Sampling()
+    notes: list[str] = []
+    data, problem = _read(path)
+    if problem:
+        notes.append(f"{path} cannot be used ({problem}): the default settings are used; saving the "
+                     f"settings keeps that file, moved aside")
+    _check(data, _TOP_CHECKS, s, "", notes)
+    for key, value in data.items():
+        if key in ("engine", "sampling") and not isinstance(value, dict):
+            notes.append(f"{key} = {show_value(value)} is not a table of settings: its defaults are used")
+        elif key not in _TOP_CHECKS and key not in ("engine", "sampling"):
+            notes.append(f"unknown key {show_value(key)} ignored")
+    eng = data.get("engine")
+    if isinstance(eng, dict):
+        _check(eng, _ENGINE_CHECKS, s, "engine.", notes)
+        notes += [f"engine: unknown key {show_value(k)} ignored" for k in eng if k not in _ENGINE_CHECKS]
+    if isinstance(data.get("sampling"), dict):
+        s.sampling = Sampling.from_dict(data["sampling"], notes)
+    s.notices = [n if n.startswith(str(path)) else f"{path.name}: {n}" for n in notes]
     if env.get("COLI_MODEL"):
         s.model = env["COLI_MODEL"]
         s.overridden["model"] = "COLI_MODEL"
-    ram = _num(env.get("COLI_RAM_GB"), float)
+    raw_ram = env.get("COLI_RAM_GB")
+    ram = _num(raw_ram, float)
     if ram is not None and ram > 0:
         s.ram_gb = ram
         s.overridden["ram_gb"] = "COLI_RAM_GB"
+    elif raw_ram:
+        s.notices.append(f"COLI_RAM_GB={show_value(raw_ram)} is not a RAM budget in GB (a finite number > 0): "
+                         f"ignored")
     return s
 
 
@@ -162,7 +320,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    # control characters escaped: a raw one makes the file invalid TOML (and the settings lost)
+    s = "".join(c if c >= " " and c not in '"\\\x7f' else f"\\u{ord(c):04x}" for c in str(v))
     return f'"{s}"'
 
 
@@ -185,15 +344,35 @@ def dumps(s: Settings) -> str:
     return "\n".join(lines) + "\n"
 
 
+def aside_name(path: Path) -> Path:
+    """Where a damaged file is moved so that nothing the user had is lost."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        p = path.with_name(f"{path.name}.damaged-{stamp}" + (f"-{n}" if n else ""))
+        if not os.path.lexists(p):
+            return p
+    raise OSError(f"no free name beside {path}")
+
+
 def save(s: Settings, path: Path | None = None) -> Path:
-    """Write atomically. Values that came from the environment are not written back."""
+    """Write atomically. Values that came from the environment are not written back. A config
+    that cannot be read is moved aside first (kept, named in ``s.notices``), never overwritten.
+    OSError when the file cannot be written."""
+    from core.errors import ColiError
+    from core.fileio import atomic_write_text
     path = path or config_path()
-    stored = load(path, env={}) if path.exists() else Settings()
+    _, problem = _read(path)
+    stored = load(path, env={}) if not problem else Settings()
     out = Settings(**{f.name: getattr(s, f.name) for f in fields(Settings)})
     for k in s.overridden:
         setattr(out, k, getattr(stored, k))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(out))
-    os.replace(tmp, path)
+    if problem and os.path.lexists(path):
+        aside = aside_name(path)
+        os.replace(path, aside)
+        _note(s.notices, f"the old {path.name} ({problem}) is kept as {aside}")
+    try:
+        atomic_write_text(path, dumps(out))
+    except ColiError as e:                   # callers handle OSError (the file could not be written)
+        raise OSError(str(e)) from None
     return path

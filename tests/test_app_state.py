@@ -1,0 +1,270 @@
+"""The app must start, whatever is wrong in its files (issue 16): a damaged chat history, config
+or usage file. Real files (SQLite, TOML, a converted container), the real app under Textual's
+Pilot; every problem is a visible notice."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sqlite3
+
+import pytest
+
+from tests.conftest import tiny_app_container, wait_for
+
+pytest.importorskip("textual")
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    return tiny_app_container(tmp_path_factory.mktemp("state"), "c", unreachable_eos=False)
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLI_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("COLI_CONFIG_DIR", str(tmp_path / "config"))
+    for k in ("COLI_MODEL", "COLI_RAM_GB"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "config").mkdir()
+    return tmp_path
+
+
+def notices(app) -> list[str]:
+    return [str(n.message) for n in app._notifications]
+
+
+def make_app(container, settings=None):
+    from colibri_tui.app import ColiApp
+    from colibri_tui.settings import load
+    return ColiApp(model_path=container, settings=settings if settings is not None else load(),
+                   engine_options={"cap": 3, "threads": 1})
+
+
+async def send_and_wait(pilot, text: str) -> None:
+    app = pilot.app
+    app.prompt_input.focus()
+    app.prompt_input.text = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.gen is None and app.history.messages(app.chat_id)
+                   and app.history.messages(app.chat_id)[-1].role == "assistant", 20)
+
+
+# --- config.toml -------------------------------------------------------------------------------
+
+BAD_CONFIGS = {
+    "sampling.seed": "[sampling]\nseed = inf\n",
+    "sampling.max_new_tokens": "[sampling]\nmax_new_tokens = inf\n",
+    "engine.threads": "[engine]\nthreads = inf\n",
+    "sampling = [1, 2]": "sampling = [1, 2]\n",
+    "sampling.seed = -1": "[sampling]\nseed = -1\n",
+}
+
+
+@pytest.mark.parametrize("key", list(BAD_CONFIGS))
+def test_an_invalid_config_value_falls_back_with_a_notice_naming_it(dirs, key):
+    from colibri_tui.settings import Sampling, Settings, config_path, load
+    config_path().write_text('model = "kept"\n' + BAD_CONFIGS[key])
+    s = load(env={})                                     # before: OverflowError / AttributeError
+    assert s.model == "kept" and s.threads is None and s.sampling == Sampling()
+    assert len(s.notices) == 1 and key.split(" =")[0] in s.notices[0], s.notices
+    assert "default" in s.notices[0]
+    s.validate()                                         # what reached the app is usable
+    Settings(sampling=Sampling(seed=s.sampling.seed)).validate()
+
+
+def test_the_seed_must_fit_numpys_generators():
+    from colibri_tui.settings import Sampling
+    Sampling(seed=0).validate()
+    Sampling(seed=2 ** 64 - 1).validate()
+    for bad in (-1, 2 ** 64, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            Sampling(seed=bad).validate()
+
+
+def test_the_app_starts_with_a_bad_config_shows_notices_and_replies(container, dirs):
+    from colibri_tui.settings import config_path
+    config_path().write_text("[sampling]\nseed = -1\nmax_new_tokens = 4\ntemperature = nan\n"
+                             "[engine]\nthreads = inf\nprefetch = \"no\"\n")
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None, 20)
+            shown = " | ".join(notices(app))
+            for key in ("sampling.seed", "sampling.temperature", "engine.threads", "engine.prefetch"):
+                assert key in shown, shown
+            await send_and_wait(pilot, "hello")           # before: every reply refused (seed -1)
+            assert app.history.messages(app.chat_id)[-1].content
+    asyncio.run(run())
+
+
+def test_an_unreadable_config_is_kept_when_settings_are_saved(dirs):
+    from colibri_tui.settings import config_path, load, save
+    config_path().write_text("[engine\nthreads = 2\n")
+    s = load(env={})
+    assert s.notices and "not valid TOML" in s.notices[0]
+    s.notices.clear()
+    s.threads = 3
+    save(s)
+    kept = [p for p in config_path().parent.iterdir() if ".damaged-" in p.name]
+    assert len(kept) == 1 and kept[0].read_text() == "[engine\nthreads = 2\n"     # nothing lost
+    assert str(kept[0]) in s.notices[0]
+    assert load(env={}).threads == 3 and not load(env={}).notices
+
+
+def test_a_model_path_with_control_characters_survives_a_save(dirs):
+    from colibri_tui.settings import load, save
+    s = load(env={})
+    s.model = "/m/a\tb\x1bc\"d\\e\nf\x7f"
+    save(s)
+    again = load(env={})                              # before: invalid TOML, settings silently lost
+    assert again.model == s.model and not again.notices
+
+
+def test_a_bad_coli_ram_gb_is_ignored_with_a_notice(dirs):
+    from colibri_tui.settings import load
+    s = load(env={"COLI_RAM_GB": "inf"})
+    assert s.ram_gb is None and "COLI_RAM_GB" in s.notices[0]
+
+
+# --- history.sqlite3 ---------------------------------------------------------------------------
+
+def _history_with_a_chat(path) -> int:
+    from colibri_tui.history import History
+    h = History(path)
+    c = h.new_chat(title="kept chat")
+    for i in range(40):
+        h.add_message(c.id, "user", f"message {i} " + "x" * 200)
+    h.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    h.close()
+    return c.id
+
+
+def _damage(path, how: str) -> None:
+    if how == "garbage":
+        path.write_bytes(os.urandom(3000))
+    elif how == "truncated":
+        _history_with_a_chat(path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "directory":
+        path.mkdir()
+        (path / "inside").write_text("mine")
+    elif how == "another schema version":
+        _history_with_a_chat(path)
+        db = sqlite3.connect(path)
+        db.execute("PRAGMA user_version = 9")
+        db.close()
+    elif how == "another schema":
+        db = sqlite3.connect(path)
+        db.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, text TEXT)")
+        db.commit()
+        db.close()
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "directory", "another schema version",
+                                 "another schema"])
+def test_a_damaged_history_is_moved_aside_and_the_app_starts(container, dirs, how):
+    path = dirs / "data" / "history.sqlite3"
+    _damage(path, how)
+    before = sorted(p.name for p in path.rglob("*")) if path.is_dir() else path.read_bytes()
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None, 20)
+            shown = [n for n in notices(app) if "chat history" in n]
+            assert len(shown) == 1 and "kept as" in shown[0] and "fresh history" in shown[0], notices(app)
+            await send_and_wait(pilot, "hello")           # the fresh history works
+        return shown[0]
+    shown = asyncio.run(run())
+    kept = [p for p in path.parent.iterdir() if p.name.startswith("history.sqlite3.damaged-")
+            and not p.name.endswith(("-wal", "-shm"))]
+    assert len(kept) == 1 and str(kept[0]) in shown
+    after = sorted(p.name for p in kept[0].rglob("*")) if kept[0].is_dir() else kept[0].read_bytes()
+    assert after == before                                  # kept as it was, never deleted
+
+
+def test_damaged_rows_are_skipped_with_a_notice_and_the_rest_is_shown(container, dirs):
+    from colibri_tui.chatview import AssistantMessage, UserMessage
+    from colibri_tui.history import History
+    path = dirs / "data" / "history.sqlite3"
+    h = History(path)
+    c = h.new_chat(title="damaged rows")
+    ids = [h.add_message(c.id, "user", "first"),
+           h.add_message(c.id, "assistant", "a reply", {"stats": {"new_tokens": 3}, "reason": "eos"}),
+           h.add_message(c.id, "user", "binary"),
+           h.add_message(c.id, "assistant", "stats a string"),
+           h.add_message(c.id, "user", "last")]
+    h.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE messages SET content = ? WHERE id = ?", (b"\x00\xffblob", ids[2]))
+    db.execute("UPDATE messages SET stats = ? WHERE id = ?", (json.dumps("a string"), ids[3]))
+    db.execute("UPDATE messages SET stats = ? WHERE id = ?",
+               (json.dumps({"stats": {"decode_tok_s": "fast"}}), ids[1]))
+    db.execute("UPDATE chats SET sampling = ?, system_prompt = ? WHERE id = ?", ("[1, 2]", b"sys", c.id))
+    db.commit()
+    db.close()
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None, 20)
+            assert app.chat_id == c.id
+            assert [m.content for m in app.query(UserMessage)] == ["first", "last"]
+            assert [m.content for m in app.query(AssistantMessage)] == ["a reply", "stats a string"]
+            shown = " | ".join(notices(app))
+            assert f"message {ids[2]} skipped" in shown and "binary data" in shown
+            assert f"message {ids[3]}: its statistics are damaged" in shown
+            assert f"message {ids[1]}: its statistics are damaged" in shown
+            assert "sampling is not a table" in shown and "system prompt is not text" in shown
+            n = len(app._notifications)
+            await app.show_chat(c.id)                       # each damaged row is said once
+            assert len(app._notifications) == n
+            # the model gets what the user sees
+            assert [m["content"] for m in app.history.engine_messages(c.id)] == \
+                ["first", "a reply", "stats a string", "last"]
+            await send_and_wait(pilot, "still works")
+    asyncio.run(run())
+    db = sqlite3.connect(path)                               # reading changed nothing stored
+    assert db.execute("SELECT content FROM messages WHERE id = ?", (ids[2],)).fetchone()[0] == b"\x00\xffblob"
+    db.close()
+
+
+def test_a_history_that_cannot_be_written_still_opens_the_app(container, dirs, monkeypatch):
+    blocker = dirs / "not-a-dir"
+    blocker.write_text("a file where the data folder should be")
+    monkeypatch.setenv("COLI_DATA_DIR", str(blocker))
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None, 20)
+            assert any("not saved" in n for n in notices(app)), notices(app)
+            await send_and_wait(pilot, "hello")
+    asyncio.run(run())
+    assert blocker.read_text() == "a file where the data folder should be"
+
+
+# --- .coli_usage -------------------------------------------------------------------------------
+
+def test_a_damaged_usage_history_is_a_notice_in_the_app(container, dirs):
+    from core.usage import usage_path
+    model = dirs / "model"
+    shutil.copytree(container, model)
+    usage = usage_path(model, shipped=False)
+    usage.parent.mkdir(parents=True, exist_ok=True)
+    usage.write_bytes(b"\xff\xfe not a usage file")
+
+    async def run():
+        app = make_app(model)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None, 20)
+            await wait_for(pilot, lambda: any("usage history" in n for n in notices(app)), 5)
+            shown = next(n for n in notices(app) if "usage history" in n)
+            assert str(usage) in shown and "not a text usage file" in shown
+    asyncio.run(run())
+    assert usage.read_bytes() == b"\xff\xfe not a usage file"
