@@ -5,7 +5,8 @@
 2. choose where it lives (free-space check);
 3. download (per-file and total progress, cancel, resume: ``core.downloader``);
 4. convert (the converter's progress callback; resumable);
-5. verify (the container opens, a short generation runs) and open the chat.
+5. verify (every shard's checksum, then the container opens and a short generation runs) and
+   open the chat.
 
 A repo the Hugging Face cache already holds is converted from the cache (nothing is fetched); a
 folder picked inside a cache snapshot is named after its repo, not its commit. After a download
@@ -635,7 +636,10 @@ class SetupWizard(Screen):
         from core.events import Done, Token
         from core.sampling import SamplingParams
         from models import open_model
-        self._set(step="verify", verify="opening the model …")
+        from core.errors import ColiError
+        self._set(step="verify", verify="checking the shards' checksums …")
+        note = self._check_shards(st, cancel)
+        self._set(verify=(note + " · " if note else "") + "opening the model …")
         opts = self.app._open_options() if hasattr(self.app, "_open_options") else {}
         engine = open_model(st.container_dir, **opts)
         try:
@@ -650,13 +654,47 @@ class SetupWizard(Screen):
                 elif isinstance(ev, Done):
                     reason = ev.reason
             if reason is None or (n == 0 and reason not in ("eos", "stop")):
-                from core.errors import ColiError
                 raise ColiError(f"{st.container_dir}: the test generation produced nothing ({reason})")
-            self._set(verify=f"the model answers ({n} test tokens) ✓")
+            self._set(verify=(note + " · " if note else "shards intact ✓ · ") +
+                      f"the model answers ({n} test tokens) ✓")
             return engine
         except BaseException:
             _close_engine(engine)
             raise
+
+    def _check_shards(self, st: WizardState, cancel: threading.Event) -> str:
+        """Re-hash every shard against the checksums recorded at conversion (core.integrity):
+        a damaged shard stops the setup, naming it; a container converted before checksums
+        existed goes on, with the returned note (also a toast, as the wizard closes soon)."""
+        from core.errors import ColiError
+        from core.integrity import verify
+        last = [0.0]
+
+        def progress(done: int, total: int, shard: str) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.05 or done >= total:
+                last[0] = now
+                pct = f" ({done / total:.0%})" if total else ""
+                self._set(verify=f"checking {shard} · {human_bytes(done)} of {human_bytes(total)}{pct}")
+        try:
+            result = verify(st.container_dir, progress=progress, cancel=cancel)
+        except ColiError:
+            if cancel.is_set():
+                raise _Cancelled() from None
+            raise
+        if result.damaged:
+            names = "; ".join(result.damaged[:4]) + (f"; and {len(result.damaged) - 4} more"
+                                                     if len(result.damaged) > 4 else "")
+            fix = ("Reinstall colibrì to get an intact demo model" if st.kind == "demo" else
+                   "Convert the model again into a new folder (Start over, or coli convert SOURCE "
+                   "NEW_FOLDER); the damaged one is kept")
+            raise ColiError(f"{st.container_dir} is damaged: {names}. {fix}")
+        if result.unrecorded:
+            note = (f"{st.label}: no checksums recorded (converted by an older colibrì), so its "
+                    f"shards were not checked; converting it again records them")
+            self._post(lambda: self.app.notify(note, severity="warning", timeout=15))
+            return "no checksums recorded: shards not checked"
+        return ""
 
     def _stopped(self, st: WizardState, error: str) -> None:
         self.running = False

@@ -1,6 +1,6 @@
 """The app must start, whatever is wrong in its files (issue 16): a damaged chat history, config
-or usage file. Real files (SQLite, TOML, a converted container), the real app under Textual's
-Pilot; every problem is a visible notice."""
+or usage file, and a damaged container in the wizard's verify step. Real files (SQLite, TOML, a
+converted container), the real app under Textual's Pilot; every problem is a visible notice."""
 from __future__ import annotations
 
 import asyncio
@@ -268,3 +268,83 @@ def test_a_damaged_usage_history_is_a_notice_in_the_app(container, dirs):
             assert str(usage) in shown and "not a text usage file" in shown
     asyncio.run(run())
     assert usage.read_bytes() == b"\xff\xfe not a usage file"
+
+
+# --- the wizard's verify step ------------------------------------------------------------------
+
+@pytest.fixture
+def wizard_env(dirs, monkeypatch):
+    import models
+    monkeypatch.setattr(models, "default_model", lambda: None)      # no demo: first run -> wizard
+    return dirs
+
+
+def _wizard_app():
+    from colibri_tui.app import ColiApp
+    from colibri_tui.settings import load
+    return ColiApp(settings=load(), setup_wizard=True, engine_options={"threads": 1, "cap": 3})
+
+
+async def _verify_folder(pilot, folder):
+    from colibri_tui.wizard import SetupWizard
+    app = pilot.app
+    await wait_for(pilot, lambda: isinstance(app.screen, SetupWizard) and app.screen.query("#folder"))
+    wiz = app.screen
+    wiz.query_one("#folder").value = str(folder)
+    await pilot.click("#use-folder")
+    return wiz
+
+
+def test_the_wizard_stops_on_a_damaged_shard_naming_it(container, wizard_env):
+    model = wizard_env / "flipped"
+    shutil.copytree(container, model)
+    shard = sorted(model.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01                                    # one bit of the weights, past the header
+    shard.write_bytes(bytes(data))
+
+    async def run():
+        app = _wizard_app()
+        async with app.run_test(size=(130, 45)) as pilot:
+            wiz = await _verify_folder(pilot, model)
+            await wait_for(pilot, lambda: not wiz.running and str(wiz.query_one("#error").render()).strip())
+            err = str(wiz.query_one("#error").render())
+            assert shard.name in err and "checksum mismatch" in err and "Convert the model again" in err
+            assert app.engine is None and wiz.query_one("#resume").display     # not opened, kept
+    asyncio.run(run())
+    assert shard.read_bytes() == bytes(data)
+
+
+def test_the_wizard_checks_shards_then_goes_on_and_notes_unrecorded_ones(container, wizard_env, monkeypatch):
+    from colibri_tui.app import ChatScreen
+    from colibri_tui.wizard import SetupWizard
+    intact, old = wizard_env / "intact", wizard_env / "old"
+    shutil.copytree(container, intact)
+    shutil.copytree(container, old)
+    manifest = json.loads((old / "colibri.json").read_text())
+    del manifest["checksums"]                          # as converted before checksums existed
+    (old / "colibri.json").write_text(json.dumps(manifest))
+    seen = []
+    orig = SetupWizard._set
+
+    def spy(self, **kw):                               # every verify line the step paints
+        if "verify" in kw:
+            seen.append(kw["verify"])
+        orig(self, **kw)
+    monkeypatch.setattr(SetupWizard, "_set", spy)
+
+    async def run(folder):
+        app = _wizard_app()
+        async with app.run_test(size=(130, 45)) as pilot:
+            await _verify_folder(pilot, folder)
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen) and app.engine is not None)
+            return notices(app)
+    shown = asyncio.run(run(intact))
+    assert any(s.startswith("checking ") and ".safetensors" in s and "(100%)" in s for s in seen), seen
+    assert any("shards intact" in s for s in seen) and not any("checksums" in n for n in shown)
+    seen.clear()
+    from colibri_tui.settings import config_path
+    config_path().unlink()                     # the first run saved its model: the wizard again
+    shown = asyncio.run(run(old))
+    assert any("no checksums recorded" in n for n in shown), shown
+    assert not any(".safetensors" in s for s in seen)             # nothing to hash
