@@ -101,6 +101,32 @@ def test_the_app_starts_with_a_bad_config_shows_notices_and_replies(container, d
     asyncio.run(run())
 
 
+def test_the_settings_dialogs_refuse_a_seed_outside_0_to_2_64(container, dirs):
+    from colibri_tui.screens import ChatSettingsScreen, SettingsScreen
+    from colibri_tui.settings import config_path
+
+    async def refused(pilot, key, screen_type, seed):
+        app = pilot.app
+        await pilot.press(key)
+        await wait_for(pilot, lambda: isinstance(app.screen, screen_type))
+        app.screen.query_one("#seed").value = seed
+        app.screen.query_one("#save").press()
+        await pilot.pause()
+        assert isinstance(app.screen, screen_type)                  # not saved: still open
+        assert "seed must be an integer in 0..18446744073709551615" in str(app.screen.query_one("#error").render())
+        await pilot.press("escape")
+
+    async def run():
+        app = make_app(container)
+        async with app.run_test(size=(120, 45)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None, 20)
+            await refused(pilot, "f4", ChatSettingsScreen, "-1")       # before: saved, every reply refused
+            await refused(pilot, "f5", SettingsScreen, str(2 ** 64))
+            assert app.history.get(app.chat_id).sampling.seed is None
+            assert not config_path().exists()
+    asyncio.run(run())
+
+
 def test_an_unreadable_config_is_kept_when_settings_are_saved(dirs):
     from colibri_tui.settings import config_path, load, save
     config_path().write_text("[engine\nthreads = 2\n")
@@ -348,3 +374,26 @@ def test_the_wizard_checks_shards_then_goes_on_and_notes_unrecorded_ones(contain
     shown = asyncio.run(run(old))
     assert any("no checksums recorded" in n for n in shown), shown
     assert not any(".safetensors" in s for s in seen)             # nothing to hash
+
+
+def test_cancel_during_the_shard_check_pauses_the_setup(container, wizard_env, monkeypatch):
+    from colibri_tui.wizard import SetupWizard, load_state
+    model = wizard_env / "big"
+    shutil.copytree(container, model)
+    orig = SetupWizard._set
+
+    def cancel_at_first_progress(self, **kw):       # Cancel, as the first shard is being hashed
+        if str(kw.get("verify", "")).startswith("checking ") and ".safetensors" in kw["verify"]:
+            self.cancel_event.set()
+        orig(self, **kw)
+    monkeypatch.setattr(SetupWizard, "_set", cancel_at_first_progress)
+
+    async def run():
+        app = _wizard_app()
+        async with app.run_test(size=(130, 45)) as pilot:
+            wiz = await _verify_folder(pilot, model)
+            await wait_for(pilot, lambda: not wiz.running and str(wiz.query_one("#error").render()).strip())
+            assert "cancelled at verify: Resume continues" in str(wiz.query_one("#error").render())
+            assert app.engine is None and wiz.query_one("#resume").display
+    asyncio.run(run())
+    assert load_state().step == "verify"
