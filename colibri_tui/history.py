@@ -113,7 +113,10 @@ class History:
             try:
                 return self._connect(self.path)
             except _Damaged as e:
-                aside = self._move_aside()
+                try:
+                    aside = self._move_aside()
+                except OSError as err:            # a read-only folder: leave it, use memory
+                    raise OSError(f"{e}; it could not be moved aside: {err.strerror or err}") from None
                 self.notices.append(f"the chat history {self.path} could not be read ({e}): it is kept "
                                     f"as {aside}, and a fresh history was started")
                 return self._connect(self.path)

@@ -100,12 +100,15 @@ def _whole(v) -> int:
 
 
 def _between(kind, lo=None, hi=None, lo_open=False):
+    """A check: ``kind(v)`` within [lo, hi] ((lo, hi] with lo_open); None = unbounded."""
+    bounds = [f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []
+    bounds += [f"<= {hi}"] if hi is not None else []
+    why = "must be " + " and ".join(bounds)
+
     def check(v):
         x = kind(v)
-        if lo is not None and (x < lo or (lo_open and x == lo)):
-            raise ValueError(f"must be {'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else ""))
-        if hi is not None and x > hi:
-            raise ValueError(f"must be <= {hi}" + (f" and {'>' if lo_open else '>='} {lo}" if lo is not None else ""))
+        if (lo is not None and (x < lo or (lo_open and x == lo))) or (hi is not None and x > hi):
+            raise ValueError(why)
         return x
     return check
 

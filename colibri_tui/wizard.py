@@ -668,6 +668,7 @@ class SetupWizard(Screen):
         existed goes on, with the returned note (also a toast, as the wizard closes soon)."""
         from core.errors import ColiError
         from core.integrity import verify
+        from .safetext import one_line             # shard names come from the manifest: untrusted
         last = [0.0]
 
         def progress(done: int, total: int, shard: str) -> None:
@@ -675,7 +676,8 @@ class SetupWizard(Screen):
             if now - last[0] >= 0.05 or done >= total:
                 last[0] = now
                 pct = f" ({done / total:.0%})" if total else ""
-                self._set(verify=f"checking {shard} · {human_bytes(done)} of {human_bytes(total)}{pct}")
+                self._set(verify=f"checking {one_line(shard)} · {human_bytes(done)} of "
+                                 f"{human_bytes(total)}{pct}")
         try:
             result = verify(st.container_dir, progress=progress, cancel=cancel)
         except ColiError:
@@ -683,7 +685,7 @@ class SetupWizard(Screen):
                 raise _Cancelled() from None
             raise
         if result.damaged:
-            names = "; ".join(result.damaged[:4]) + (f"; and {len(result.damaged) - 4} more"
+            names = one_line("; ".join(result.damaged[:4])) + (f"; and {len(result.damaged) - 4} more"
                                                      if len(result.damaged) > 4 else "")
             fix = ("Reinstall colibrì to get an intact demo model" if st.kind == "demo" else
                    "Convert the model again into a new folder (Start over, or coli convert SOURCE "
