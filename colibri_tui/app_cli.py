@@ -63,7 +63,7 @@ def run_app(args) -> int:
     if smoke.requested():
         return smoke.run(app)
     app.run()
-    return 0
+    return app.return_code or 0        # 1 when the app crashed (Textual printed the traceback)
 
 
 def main(argv: list[str] | None = None) -> int:

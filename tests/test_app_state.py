@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sqlite3
+import sys
 
 import pytest
 
@@ -273,6 +274,41 @@ def test_a_history_that_cannot_be_written_still_opens_the_app(container, dirs, m
             await send_and_wait(pilot, "hello")
     asyncio.run(run())
     assert blocker.read_text() == "a file where the data folder should be"
+
+
+CRASHING_APP = r"""
+import sys
+from colibri_tui import app
+async def boom(self):
+    raise RuntimeError("boom at start")
+app.ColiApp.start_up = boom                  # any bug that escapes the app's own handling
+from colibri_tui.cli import main
+sys.exit(main(["chat"]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_coli_chat_exits_non_zero_when_the_app_crashes(dirs):
+    import select
+    import subprocess
+    env = dict(os.environ, COLI_LOG_DIR=str(dirs / "log"), TERM="xterm-256color")
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_APP], stdin=slave, stdout=slave, stderr=slave,
+                            env=env)
+    os.close(slave)
+    out = b""
+    while select.select([master], [], [], 60)[0]:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:                     # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait(timeout=60)
+    os.close(master)
+    assert b"boom at start" in out
+    assert proc.returncode == 1              # before: a traceback and exit code 0
 
 
 # --- .coli_usage -------------------------------------------------------------------------------
