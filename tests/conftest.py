@@ -25,6 +25,8 @@ def pytest_addoption(parser):
                      help="time budget of the mutation fuzz test (tests/test_fuzz.py)")
     parser.addoption("--fuzz-seed", type=int, default=None,
                      help="seed of the mutation fuzz test (default: a fixed seed)")
+    parser.addoption("--golden-record", action="store_true",
+                     help="record this machine's golden hashes (tests/test_golden_bits.py) instead of checking them")
 
 
 def tiny_config(model_type: str = "qwen3_moe", **over) -> dict:
