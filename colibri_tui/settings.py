@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from core.arch import KV_CACHES
+from core.userdirs import APP_NAME, data_dir  # noqa: F401  (data_dir: one definition, shared with core)
 from core.policies import POLICY_NAMES as POLICIES
 from core.sampling import MAX_SEED
-
-APP_NAME = "colibri"
 
 
 def config_dir() -> Path:
@@ -31,12 +30,6 @@ def config_dir() -> Path:
     return Path(user_config_dir(APP_NAME, appauthor=False))
 
 
-def data_dir() -> Path:
-    env = os.environ.get("COLI_DATA_DIR")
-    if env:
-        return Path(env)
-    from platformdirs import user_data_dir
-    return Path(user_data_dir(APP_NAME, appauthor=False))
 
 
 def config_path() -> Path:

@@ -51,7 +51,7 @@ def test_saved_escape_codes_and_ctrl_q_in_a_real_terminal(slow_model, tmp_path):
     env = (f"COLI_DATA_DIR='{data}' COLI_CONFIG_DIR='{tmp_path / 'config'}' COLI_LOG_DIR='{tmp_path / 'log'}' "
            f"TERM=xterm-256color")
     cmd = (f"env {env} '{sys.executable}' -m colibri_tui chat --model '{slow_model}' --threads 1; "
-           f"echo $? > '{done}'; sleep 30")
+           f"echo $? > '{done}.tmp'; mv '{done}.tmp' '{done}'; sleep 30")   # appears complete or not at all
     tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "40", cmd)
     try:
         text = wait_pane(session, lambda t: "ready" in t)
