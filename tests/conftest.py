@@ -155,6 +155,19 @@ async def wait_for(pilot, cond, timeout=20.0):
 
 
 @pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    """The app's data and config under tmp_path (created), no model or RAM budget from the
+    environment: the user's own files are never touched."""
+    monkeypatch.setenv("COLI_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("COLI_CONFIG_DIR", str(tmp_path / "config"))
+    for k in ("COLI_MODEL", "COLI_RAM_GB"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "config").mkdir(exist_ok=True)
+    return tmp_path
+
+
+@pytest.fixture
 def kernel_settings():
     """Restore the compiled kernels' global settings (threads, SIMD variant, int8 activations)
     that a test changed."""
@@ -205,3 +218,14 @@ def containers(fixture_root, tmp_path_factory):
     return get
 
 
+
+
+def one_error_line(capsys, args: list[str]) -> str:
+    """Run ``coli args`` in process: it must exit 1 with exactly one ``coli: error:`` line on
+    stderr, which is returned."""
+    from colibri_tui.cli import main as coli
+    capsys.readouterr()
+    assert coli(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("coli: error:"), err
+    return err[0]

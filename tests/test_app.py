@@ -16,15 +16,6 @@ def container(tmp_path_factory):
     return tiny_app_container(tmp_path_factory.mktemp("app"), "c", unreachable_eos=True)
 
 
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLI_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("COLI_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("COLI_MODEL", raising=False)
-    monkeypatch.delenv("COLI_RAM_GB", raising=False)
-    return tmp_path
-
-
 def make_app(container, **kw):
     from colibri_tui.app import ColiApp
     from colibri_tui.settings import Sampling, Settings

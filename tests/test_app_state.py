@@ -22,17 +22,6 @@ def container(tmp_path_factory):
     return tiny_app_container(tmp_path_factory.mktemp("state"), "c", unreachable_eos=False)
 
 
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLI_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("COLI_CONFIG_DIR", str(tmp_path / "config"))
-    for k in ("COLI_MODEL", "COLI_RAM_GB"):
-        monkeypatch.delenv(k, raising=False)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "config").mkdir()
-    return tmp_path
-
-
 def notices(app) -> list[str]:
     return [str(n.message) for n in app._notifications]
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from colibri_tui.cli import main as coli
-from tests.conftest import ROOT, tiny_config, write_hf_model
+from tests.conftest import ROOT, one_error_line, tiny_config, write_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +17,6 @@ def model(tmp_path_factory):
     src = write_hf_model(d / "src", tiny_config())
     assert coli(["convert", str(src), str(d / "c")]) == 0
     return d
-
-
-def _one_line(capsys, args) -> str:
-    capsys.readouterr()
-    assert coli(args) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("coli: error:"), err
-    return err[0]
 
 
 @pytest.mark.parametrize("flags, match", [
@@ -38,25 +30,25 @@ def _one_line(capsys, args) -> str:
     (["--ram-gb", "-1"], "--ram-gb"),
 ])
 def test_bad_run_values(model, capsys, flags, match):
-    line = _one_line(capsys, ["run", "--model", str(model / "c"), "--ids", "1,2", "--max-new-tokens", "2", *flags])
+    line = one_error_line(capsys, ["run", "--model", str(model / "c"), "--ids", "1,2", "--max-new-tokens", "2", *flags])
     assert match in line, line
 
 
 def test_plan_with_a_nan_budget(model, capsys):
-    assert "--ram-gb must be a finite" in _one_line(capsys, ["plan", "--model", str(model / "c"), "--ram-gb", "nan"])
+    assert "--ram-gb must be a finite" in one_error_line(capsys, ["plan", "--model", str(model / "c"), "--ram-gb", "nan"])
 
 
 def test_logits_out_is_a_directory(model, capsys, tmp_path):
-    line = _one_line(capsys, ["logits", "--model", str(model / "c"), "--ids", "1,2", "--out", str(tmp_path)])
+    line = one_error_line(capsys, ["logits", "--model", str(model / "c"), "--ids", "1,2", "--out", str(tmp_path)])
     assert "is a directory" in line
 
 
 def test_convert_into_a_file_or_the_source(model, capsys, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    assert "is not a directory" in _one_line(capsys, ["convert", str(model / "src"), str(f)])
-    assert "is or contains the source" in _one_line(capsys, ["convert", str(model / "src"), str(model / "src")])
-    assert "is or contains the source" in _one_line(capsys, ["convert", str(model / "src"), str(model)])
+    assert "is not a directory" in one_error_line(capsys, ["convert", str(model / "src"), str(f)])
+    assert "is or contains the source" in one_error_line(capsys, ["convert", str(model / "src"), str(model / "src")])
+    assert "is or contains the source" in one_error_line(capsys, ["convert", str(model / "src"), str(model)])
     assert not (model / "colibri.json").exists() and not (model / "src" / "colibri.json").exists()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from colibri_tui.cli import main as coli
 from core.container import MANIFEST
-from tests.conftest import ROOT, tiny_config, write_hf_model
+from tests.conftest import ROOT, one_error_line, tiny_config, write_hf_model
 
 RUN = ["--ids", "1,2,3", "--max-new-tokens", "3", "--greedy", "--threads", "1", "--json"]
 
@@ -40,14 +40,6 @@ def _without_checksums(container) -> None:
     _edit_json(container / MANIFEST, lambda m: m.pop("checksums"))
 
 
-def _one_error_line(capsys, args) -> str:
-    capsys.readouterr()
-    assert coli(args) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("coli: error:"), err
-    return err[0]
-
-
 @pytest.mark.parametrize("change, match", [
     (lambda c: c["rope_parameters"].update(rope_theta=0), "rope_theta must be a finite number > 0"),
     (lambda c: c["rope_parameters"].update(rope_theta=-10000.0), "rope_theta"),
@@ -71,7 +63,7 @@ def _one_error_line(capsys, args) -> str:
 ])
 def test_meaningless_config_values_are_refused(container, capsys, change, match):
     _edit_json(container / "config.json", change)
-    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    line = one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert match.split("|")[0] in line, line
 
 
@@ -92,10 +84,10 @@ def test_a_missing_lm_head_is_an_error_not_the_embedding(container, capsys):
         w.write(n, a)
     w.commit()
     _edit_json(container / MANIFEST, lambda m: [m["tensors"].pop(k) for k in list(m["tensors"]) if k.startswith("lm_head.")])
-    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    line = one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "the header of model-other.safetensors changed since conversion" in line
     _without_checksums(container)        # as a container converted before checksums existed
-    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    line = one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "lm_head.weight is missing" in line
 
 
@@ -116,7 +108,7 @@ def test_manifest_entries_are_checked_against_the_stored_tensors(container, caps
     def edit(m):
         change(m["tensors"][_first_int4(m)])
     _edit_json(container / MANIFEST, edit)
-    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    line = one_error_line(capsys, ["info", "--model", str(container)])
     assert match in line and MANIFEST in line, line
 
 
@@ -129,12 +121,12 @@ def test_manifest_entries_are_checked_against_the_stored_tensors(container, caps
 ])
 def test_manifest_structure_damage_is_one_line(container, capsys, change):
     _edit_json(container / MANIFEST, change)
-    _one_error_line(capsys, ["info", "--model", str(container)])
+    one_error_line(capsys, ["info", "--model", str(container)])
 
 
 def test_a_deeply_nested_manifest_is_one_line(container, capsys):
     (container / MANIFEST).write_text("[" * 100000 + "]" * 100000)
-    _one_error_line(capsys, ["info", "--model", str(container)])
+    one_error_line(capsys, ["info", "--model", str(container)])
 
 
 def test_a_quantized_tensor_without_scales_is_named(container, capsys):
@@ -150,16 +142,16 @@ def test_a_quantized_tensor_without_scales_is_named(container, capsys):
     for n, (_, _, a) in keep.items():
         w.write(n, a)
     w.commit()
-    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    line = one_error_line(capsys, ["info", "--model", str(container)])
     assert f"the header of {shard.name} changed since conversion" in line
     _without_checksums(container)
-    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    line = one_error_line(capsys, ["info", "--model", str(container)])
     assert f"{name} has no scales" in line
 
 
 def test_the_converter_refuses_a_huge_group_size(tmp_path, capsys):
     src = write_hf_model(tmp_path / "src", tiny_config())
-    line = _one_error_line(capsys, ["convert", str(src), str(tmp_path / "o"), "--group-size", str(1 << 30)])
+    line = one_error_line(capsys, ["convert", str(src), str(tmp_path / "o"), "--group-size", str(1 << 30)])
     assert "--group-size" in line
 
 
@@ -195,7 +187,7 @@ def test_the_converter_refuses_a_source_whose_parts_disagree(tmp_path, capsys, d
     if not (src / "generation_config.json").exists():
         (src / "generation_config.json").write_text('{"eos_token_id": 2}')
     damage(src)
-    line = _one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
+    line = one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
     assert match in line, line
     assert not (tmp_path / "out" / MANIFEST).exists()
 
@@ -212,13 +204,13 @@ def test_a_source_missing_an_expert_tensor_is_refused(tmp_path, capsys):
         for n, (_, _, a) in keep.items():
             w.write(n, a)
         w.commit()
-    line = _one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
+    line = one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
     assert "model.layers.1.mlp.experts.3.up_proj.weight is missing" in line
 
 
 def test_a_container_whose_config_was_edited_is_refused_at_open(container, capsys):
     _edit_json(container / "config.json", lambda c: c.update(num_key_value_heads=4))
-    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    line = one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "k_proj.weight has shape" in line and str(container) in line
 
 
@@ -289,16 +281,16 @@ def test_a_truncated_expert_is_refused_at_open_whatever_the_prefetch(container, 
     shard = container / "layer-001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-40])
     for flags in ([], ["--no-prefetch"], ["--cap", "1"]):
-        line = _one_error_line(capsys, ["run", "--model", str(container), *RUN, *flags])
+        line = one_error_line(capsys, ["run", "--model", str(container), *RUN, *flags])
         assert "layer-001.safetensors is truncated" in line, line
 
 
 # --- past the model's context: refused or stopped, never extrapolated ---------------------------
 def test_past_max_position_embeddings_is_refused_or_stopped(container, capsys, tmp_path):
     _edit_json(container / "config.json", lambda c: c.update(max_position_embeddings=8))
-    line = _one_error_line(capsys, ["run", "--model", str(container), "--ids", ",".join(["1"] * 9), "--json"])
+    line = one_error_line(capsys, ["run", "--model", str(container), "--ids", ",".join(["1"] * 9), "--json"])
     assert "the prompt needs 9 positions, past the model's context of 8" in line
-    line = _one_error_line(capsys, ["logits", "--model", str(container), "--ids", ",".join(["1"] * 9),
+    line = one_error_line(capsys, ["logits", "--model", str(container), "--ids", ",".join(["1"] * 9),
                                     "--out", str(tmp_path / "l.npy")])
     assert "past the model's context of 8" in line
     capsys.readouterr()
@@ -323,10 +315,10 @@ def test_an_edited_header_is_refused_by_its_digest(container, capsys, edit):
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     shard.write_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + n:])
-    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    line = one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "the header of model-other.safetensors changed since conversion" in line
     _edit_json(container / MANIFEST, lambda m: m["checksums"].pop("model-other.safetensors"))
-    line = _one_error_line(capsys, ["run", "--model", str(container), *RUN])
+    line = one_error_line(capsys, ["run", "--model", str(container), *RUN])
     assert "has no checksum for model-other.safetensors" in line
 
 
@@ -337,5 +329,5 @@ def test_a_group_size_that_fits_no_scales_is_refused(container, capsys):
                 q["group_size"] = 8
         m["converter"]["group_size"] = 8
     _edit_json(container / MANIFEST, edit)
-    line = _one_error_line(capsys, ["info", "--model", str(container)])
+    line = one_error_line(capsys, ["info", "--model", str(container)])
     assert "does not match its colibri.json entry" in line, line
