@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .cache_kinds import KV
 from .errors import ColiError
 
 
@@ -30,6 +31,11 @@ class ArchSpec:
     norm_topk_prob: bool
     clip_qkv: float | None = None
     sliding_windows: list[int | None] = field(default_factory=list)   # per layer; None = full causal
+    cache_kinds: list = field(default_factory=list)     # per layer: what it keeps (core.cache_kinds)
+
+    def __post_init__(self):
+        if not self.cache_kinds:            # full attention everywhere unless the family says
+            self.cache_kinds = [KV(self.num_kv_heads, self.head_dim)] * self.num_layers
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 0

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import kernels
 from .arch import ArchSpec
+from .cache_kinds import KV
 from .container import Container, Weight
 from .errors import ColiError
 from .events import Done, Stats, Token
@@ -55,8 +56,11 @@ class KVCache:
         if recycled is not None and recycled[0][0].dtype == self.dtype:
             self.k, self.v = list(recycled[0]), list(recycled[1])
         else:
-            self.k = [np.empty((spec.num_kv_heads, 0, spec.head_dim), self.dtype) for _ in range(spec.num_layers)]
-            self.v = [np.empty((spec.num_kv_heads, 0, spec.head_dim), self.dtype) for _ in range(spec.num_layers)]
+            for i, kind in enumerate(spec.cache_kinds):
+                if not isinstance(kind, KV):
+                    raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
+            self.k = [np.empty((kind.num_kv_heads, 0, kind.head_dim), self.dtype) for kind in spec.cache_kinds]
+            self.v = [np.empty((kind.num_kv_heads, 0, kind.head_dim), self.dtype) for kind in spec.cache_kinds]
         self.length = 0     # positions committed (all layers)
         self.reserve = kv_reserved_positions(spec)
 

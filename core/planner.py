@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import psutil
 
+from . import cache_kinds
 from .arch import KV_CACHES, ArchSpec
 from .container import Container
 from .errors import ColiError
@@ -66,9 +67,9 @@ def kv_reserved_positions(spec: ArchSpec) -> int:
 
 
 def kv_bytes_per_position(spec: ArchSpec, kv_cache: str = "float32") -> int:
-    """Bytes of KV cache one position takes (keys and values of every layer); kv_cache is one
-    of core.arch.KV_CACHES."""
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * np.dtype(kv_cache).itemsize
+    """Bytes of cache one position takes over every layer, from the layers' cache kinds
+    (core.cache_kinds); kv_cache is one of core.arch.KV_CACHES."""
+    return cache_kinds.bytes_per_position(spec.cache_kinds, kv_cache)
 
 
 def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None, cap: int | None = None,
@@ -85,7 +86,8 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     if kv_cache not in KV_CACHES:
         raise ColiError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     kv_position = kv_bytes_per_position(spec, kv_cache)
-    kv_reserved = kv_position * kv_reserved_positions(spec)
+    kv_reserved = (kv_position * kv_reserved_positions(spec)
+                   + cache_kinds.fixed_bytes(spec.cache_kinds, kv_cache))     # state that does not grow
     if cap is not None:
         if cap < 1:
             raise ColiError("--cap must be >= 1")
