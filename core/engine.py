@@ -15,6 +15,7 @@ import numpy as np
 
 from . import kernels
 from .arch import ArchSpec
+from .blocks.routers import SoftmaxTopK
 from .cache_kinds import KV
 from .container import Container, Weight
 from .errors import ColiError
@@ -104,9 +105,10 @@ class _Layer:
             raise ColiError(f"layer {i}: q_norm/k_norm weights are missing from the container")
         self.kind = spec.mlp_kinds[i]
         if self.kind == "moe":
-            self.router = kernels.vector(c.load(p + "mlp.gate.weight"))
-            if self.router.shape != (spec.num_experts, spec.hidden_size):
-                raise ColiError(f"layer {i}: router shape {self.router.shape} does not match the config")
+            weight = kernels.vector(c.load(p + "mlp.gate.weight"))
+            if weight.shape != (spec.num_experts, spec.hidden_size):
+                raise ColiError(f"layer {i}: router shape {weight.shape} does not match the config")
+            self.router = SoftmaxTopK(weight, spec.top_k, spec.norm_topk_prob)
         else:
             self.mlp = ExpertFFN(*(c.load(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")))
         self.window = spec.sliding_windows[i] if spec.sliding_windows else None
@@ -117,7 +119,7 @@ class _Layer:
             [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
             self.input_norm, spec.qk_norm, self.q_norm, self.k_norm, spec.rms_norm_eps,
             spec.clip_qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            self.router if moe else None, self.post_norm if moe else None, spec.top_k,
+            self.router.weight if moe else None, self.post_norm if moe else None, spec.top_k,
             spec.norm_topk_prob)
 
 
@@ -255,10 +257,6 @@ class Engine:
             out = kernels.attention(q, keys, values, self.scale, pos, L.window)
         return _linear(out, L.o, L.o_bias)
 
-    def route(self, L: _Layer, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k experts and their weights for each row of h (softmax over all experts first)."""
-        return kernels.softmax_topk(kernels.router_logits(h, L.router), self.spec.top_k,
-                                    self.spec.norm_topk_prob)
 
     def _predict(self, i: int, x: np.ndarray) -> None:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
@@ -267,15 +265,13 @@ class Engine:
         if j is None or not getattr(self.store, "prefetch_enabled", False):
             return
         L = self.layers[j]
-        top, weights = self.route(L, rms_norm(x, L.post_norm, self.spec.rms_norm_eps))
-        order = np.argsort(-weights, axis=None, kind="stable")     # strongest predictions first
-        ranked = list(dict.fromkeys(int(e) for e in top.reshape(-1)[order]))
+        ranked = L.router.predict(rms_norm(x, L.post_norm, self.spec.rms_norm_eps))
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
 
     def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray, routed=None) -> np.ndarray:
         """routed: (top, weights) of h when the attention block computed them already."""
-        top, weights = routed if routed is not None else self.route(L, h)
+        top, weights = routed if routed is not None else L.router.route(h)
         if h.shape[0] == 1:
             ids = top[0].tolist()       # one position: k distinct experts, strongest first
             used = sorted(ids)
