@@ -141,6 +141,7 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
         self._sent = ""                # answer text already written to the Markdown stream
         self._stream = None
         self._collapsible: Collapsible | None = None
+        self._meta_label: Label | None = None     # kept: it may not be mounted yet when a fast reply ends
 
     def compose(self) -> ComposeResult:
         thinking, answer, _ = split_think(self.content)
@@ -150,7 +151,8 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
             yield self._collapsible
         self._sent = answer
         yield Markdown(answer)
-        yield Label(Text(visible(self._meta)), classes="meta")
+        self._meta_label = Label(Text(visible(self._meta)), classes="meta")
+        yield self._meta_label
 
     def copy_text(self) -> str:
         """The answer as written (Markdown source), without the thinking; the thinking while
@@ -219,7 +221,8 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
 
     def set_meta(self, meta: str) -> None:
         self._meta = meta
-        self.query_one(".meta", Label).update(Text(visible(meta)))
+        if self._meta_label is not None:      # else compose shows self._meta
+            self._meta_label.update(Text(visible(meta)))
 
 
 class MessageList(VerticalScroll):

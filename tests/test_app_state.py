@@ -422,3 +422,24 @@ def test_cancel_during_the_shard_check_pauses_the_setup(container, wizard_env, m
             assert app.engine is None and wiz.query_one("#resume").display
     asyncio.run(run())
     assert load_state().step == "verify"
+
+
+def test_a_reply_that_ends_before_its_widgets_mount_keeps_its_stats_line():
+    """A fast reply can finish between the Markdown's mount and the stats label's (seen in CI:
+    NoMatches '.meta'); set_meta reaches the label it composed, mounted or not."""
+    from textual.app import App
+
+    from colibri_tui.chatview import AssistantMessage
+
+    class Host(App):
+        def on_mount(self) -> None:
+            m = AssistantMessage("done", streaming=True)
+            self.children_made = list(m.compose())      # composed, not mounted
+            m.set_meta("3 tokens · eos")
+
+    async def run():
+        app = Host()
+        async with app.run_test() as pilot:
+            await pilot.pause()
+            assert str(app.children_made[-1].content) == "3 tokens · eos"
+    asyncio.run(run())
