@@ -7,7 +7,9 @@ history, then the real command line (``coli logits``, in process). Every outcome
   not a config value (headers, the manifest, side files, the usage history: placement and
   metadata decide speed, never output);
 
-never exit 2, a traceback, a hang or NaN logits. ``--fuzz-seconds`` (default 25) bounds the run,
+never exit 2, a traceback, a hang or NaN logits; and mutated converter inputs (config, side files,
+source headers) convert to a container that opens or are refused cleanly, leaving no
+complete-looking output. ``--fuzz-seconds`` (default 25; the converter part a third of it) bounds the run,
 ``--fuzz-seed`` picks other mutations; failures print the seed and case to replay.
 """
 from __future__ import annotations
@@ -257,3 +259,88 @@ def test_mutations_give_identical_output_or_one_clean_error(pristine, tmp_path, 
                     for t, o in outcomes.items()))
     assert not failures, "\n".join(failures)
     assert case >= len(TARGETS)
+
+
+# --- converter inputs -----------------------------------------------------------------------------
+SOURCE_TARGETS = ("config", "generation_config", "tokenizer_config", "source_header")
+
+
+@pytest.fixture(scope="module")
+def pristine_source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-src")
+    src = write_hf_model(d / "src", tiny_config(num_experts=4, num_hidden_layers=1), shards=2)
+    tokenizer_files(src, 97)
+    return src
+
+
+def mutate_source(rng: random.Random, src, target: str) -> str:
+    if target == "source_header":
+        s = src / rng.choice(sorted(p.name for p in src.glob("*.safetensors")))
+        data = s.read_bytes()
+        n, header = _header(data)
+        before = json.loads(json.dumps(header))
+        _mutate_json(rng, header)
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        delta = rng.choice([0, 0, -1, -3])
+        s.write_bytes((len(blob) + delta).to_bytes(8, "little") + blob + data[8 + n:])
+        return f"{s.name} header: {_diff(before, header)} (length field {delta:+d})"
+    p = src / f"{target}.json"
+    data = json.loads(p.read_text())
+    before = json.loads(json.dumps(data))
+    _mutate_json(rng, data)
+    p.write_text(json.dumps(data))
+    return f"{p.name}: {_diff(before, data)}"
+
+
+def test_converter_inputs_convert_cleanly_or_are_refused(pristine_source, tmp_path, request):
+    """Mutated Hugging Face sources: `coli convert` either writes a container that opens and gives
+    finite logits, or refuses with one clean line and leaves no complete-looking container."""
+    seed = (request.config.getoption("--fuzz-seed") or DEFAULT_SEED) + 1
+    budget = request.config.getoption("--fuzz-seconds") / 3
+    rng = random.Random(seed)
+    t_end = time.monotonic() + budget
+    failures, case, counts = [], 0, {"converted": 0, "refused": 0}
+    while time.monotonic() < t_end and len(failures) < 5:
+        case += 1
+        target = SOURCE_TARGETS[case % len(SOURCE_TARGETS)]
+        src, out = tmp_path / f"src{case % 2}", tmp_path / f"out{case % 2}"
+        for d in (src, out):
+            shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(pristine_source, src)
+        what = mutate_source(rng, src, target)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+                _deadline(CASE_TIMEOUT_S):
+            try:
+                rc = coli(["convert", str(src), str(out)])
+            except _Timeout:
+                rc = "hang"
+            except BaseException as e:                      # noqa: BLE001 - that is the finding
+                rc = f"raised {e.__class__.__name__}: {e}"
+        where = f"seed {seed} case {case} ({target}): {what}"
+        lines = [l for l in err.getvalue().strip().splitlines() if not l.startswith("coli: warning:")]
+        if rc == 1:
+            counts["refused"] += 1
+            if [l for l in lines if l.startswith("coli")] != lines[-1:] or not lines[-1].startswith("coli: error:") \
+                    or "internal error" in lines[-1]:
+                failures.append(f"{where}\n  exit 1 without one clean line: {lines[-3:]}")
+            if (out / MANIFEST).exists():
+                failures.append(f"{where}\n  refused, but a complete-looking container was left")
+            continue
+        if rc != 0:
+            failures.append(f"{where}\n  convert outcome {rc!r}: {lines[-3:]}")
+            continue
+        counts["converted"] += 1
+        rc2, err2 = run_case(out, tmp_path / "l.npy")
+        if rc2 == 1:
+            other = [l for l in err2.strip().splitlines() if not l.startswith("coli: warning:")]
+            if len(other) != 1 or not other[0].startswith("coli: error:") or "internal error" in err2:
+                failures.append(f"{where}\n  converted, then logits exit 1 unclean: {other[-3:]}")
+        elif rc2 != 0:
+            failures.append(f"{where}\n  converted, then logits {rc2!r}: {err2.strip().splitlines()[-3:]}")
+        elif not np.isfinite(np.load(tmp_path / "l.npy")).all():
+            failures.append(f"{where}\n  converted, then NaN/inf logits")
+    print(f"\nfuzz (converter inputs): seed {seed}, {case} cases in {budget:.0f} s: {counts}")
+    assert not failures, "\n".join(failures)
+    assert case >= len(SOURCE_TARGETS)
