@@ -435,7 +435,7 @@ class ColiApp(App):
 
     def action_about(self) -> None:
         from .about import about_text
-        self.push_screen(MessageScreen("About colibrì", about_text(self.model_path)))
+        self.push_screen(MessageScreen("About colibrì", about_text(self.resolved_model())))   # the demo too
 
     async def action_new_chat(self) -> None:
         chat = self.history.new_chat(sampling=self.settings.sampling)

@@ -30,8 +30,10 @@ def test_f1_names_the_log_and_config(tmp_path, monkeypatch):
             await pilot.pause()
             assert isinstance(app.screen, MessageScreen)
             body = str(app.screen.query_one("#message-body").render())
+            from models import default_model
+            demo = default_model()          # no model given: the app runs the demo, and says so
             for want in (str(tmp_path / "logs" / "colibri.log"), str(tmp_path / "config" / "config.toml"),
-                         str(tmp_path / "data"), f"colibri {_version()}"):
+                         str(tmp_path / "data"), f"colibri {_version()}", *([str(demo)] if demo else [])):
                 assert want in body, (want, body)
             await pilot.press("escape")
             await pilot.pause()
