@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat(sub)
     from .cli_models import add_parsers as add_models
     add_models(sub)
+    from .server import add_parser as add_serve
+    add_serve(sub, _add_model)
     from .completion import SHELLS
     p = sub.add_parser("completion", help="print a shell completion script",
                        description="Print a completion script for coli. bash: add "
@@ -415,6 +417,11 @@ def _cmd_rm(args) -> int:
     return cmd_rm(args)
 
 
+def _cmd_serve(args) -> int:
+    from .server import cmd_serve
+    return cmd_serve(args, _open)
+
+
 def _cmd_completion(args) -> int:
     from .completion import script
     sys.stdout.write(script(args.shell, build_parser()))
@@ -423,7 +430,7 @@ def _cmd_completion(args) -> int:
 
 COMMANDS = {"download": cmd_download, "convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
             "plan": cmd_plan, "verify": cmd_verify, "replay": _cmd_replay, "chat": _cmd_chat, "list": _cmd_list, "rm": _cmd_rm,
-            "completion": _cmd_completion}
+            "completion": _cmd_completion, "serve": _cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,19 +34,23 @@ HERE = Path(__file__).resolve().parent
 ENTRY = HERE / "launcher.py"
 OUR_PACKAGES = ("core", "models", "cython_kernels", "colibri_tui")
 # Packages with imports PyInstaller cannot see (lazy/by-name): every submodule goes in.
-COLLECT_SUBMODULES = ("textual", "rich", "tokenizers", "huggingface_hub", "platformdirs", "jinja2")
+COLLECT_SUBMODULES = ("textual", "rich", "tokenizers", "huggingface_hub", "platformdirs", "jinja2",
+                      # coli serve: uvicorn loads its protocol, loop and logging classes by name,
+                      # anyio its asyncio backend
+                      "uvicorn", "starlette", "anyio", "h11")
 COLLECT_DATA = ("textual", "rich")
 HIDDEN = ("jinja2", "jinja2.ext", "jinja2.sandbox", "platformdirs", "psutil", "huggingface_hub",
           "tokenizers", "numpy", "tomllib")
 METADATA = ("colibri", "textual", "rich", "tokenizers", "huggingface_hub", "numpy", "jinja2",
             "platformdirs", "psutil")
-# Installed for tests/oracle/building but never needed at run time; some are huge (torch). The
+# Installed for tests/oracle/building but never needed at run time; some are huge (torch); click
+# stays in: `import uvicorn` imports it (its command line). The
 # huggingface_hub parts are its CLI and webhook server (downloads, HfApi and InferenceClient import
 # fine without them; pydantic is optional there).
 EXCLUDE = ("torch", "transformers", "safetensors", "tensorflow", "jax", "flax", "tkinter",
            "matplotlib", "scipy", "pandas", "IPython", "pytest", "_pytest", "Cython", "tests",
            "PIL", "sympy", "networkx", "pyarrow", "setuptools", "pkg_resources", "pydantic",
-           "pydantic_core", "click", "gradio", "fastapi", "huggingface_hub.cli",
+           "pydantic_core", "gradio", "fastapi", "huggingface_hub.cli",
            "huggingface_hub.commands", "huggingface_hub._webhooks_server")
 NATIVE_FLAGS = re.compile(r"-m(arch|cpu|tune)=native|/arch:native", re.I)
 
