@@ -150,6 +150,10 @@ def test_chat_completion_matches_the_engine_with_the_same_sampling(demo_server, 
     other = c.chat.completions.create(model=DEMO, messages=FORTUNE, max_tokens=24, temperature=0.9,
                                       top_p=0.9, seed=8, extra_body={"top_k": 20})
     assert other.choices[0].message.content != want
+    # no sampling fields: the model's generation_config.json (the demo's: temperature 0.8, top_p 0.95)
+    plain = c.chat.completions.create(model=DEMO, messages=FORTUNE, max_tokens=24, seed=7)
+    assert plain.choices[0].message.content == direct(
+        demo, FORTUNE, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7), max_new_tokens=24)
     greedy = c.chat.completions.create(model=DEMO, messages=FORTUNE, max_tokens=24, temperature=0)
     assert greedy.choices[0].message.content == direct(demo, FORTUNE, sampling=SamplingParams(greedy=True),
                                                        max_new_tokens=24)
@@ -201,6 +205,14 @@ def test_models_lists_the_served_model_for_both_clients(demo_server):
     with pytest.raises(openai.NotFoundError):
         demo_server.openai().models.retrieve("nope")
     assert [m.id for m in demo_server.anthropic().models.list().data] == [DEMO]
+
+
+def test_model_name_sets_the_id_clients_send(serve, demo):
+    s = serve(demo, model_id="my-model")
+    assert [m.id for m in s.openai().models.list().data] == ["my-model"]
+    assert s.openai().chat.completions.create(model="my-model", messages=FORTUNE, max_tokens=2).model == "my-model"
+    with pytest.raises(openai.NotFoundError):
+        s.openai().chat.completions.create(model=DEMO, messages=FORTUNE, max_tokens=2)
 
 
 def test_an_unknown_model_is_refused_naming_the_served_one(demo_server):
@@ -585,3 +597,35 @@ def test_the_binary_build_carries_the_server_stack():
     spec.loader.exec_module(b)
     for pkg in ("uvicorn", "starlette", "anyio", "h11"):
         assert pkg in b.COLLECT_SUBMODULES, pkg
+
+
+def test_the_load_benchmark_runs_clean(env, endless_dir):
+    """benchmarks/serve_load.py's plumbing (not its numbers): a short run against a real server."""
+    import argparse
+
+    from benchmarks.serve_load import run
+    r = run(argparse.Namespace(model=str(endless_dir), clients=3, seconds=2.0, max_tokens=6, max_queue=1))
+    assert r["errors"] == 0, r["error_samples"]
+    assert r["served"] >= 3 and r["health_failures"] == 0 and r["health_polls"] >= 3
+    assert r["tokens"] == 6 * r["served"]            # the endless model always runs to max_tokens
+    assert r["latency_p50_s"] <= r["latency_p95_s"] and r["peak_rss_bytes"] > 0
+    assert r["server_counts"]["served"] == r["served"]
+
+
+def test_shutting_down_cancels_the_reply_and_answers_the_waiting_with_503(serve, endless):
+    s = serve(endless, max_queue=2)
+    client, resp, lines = _start_stream(s)
+    got = {}
+    waiting = threading.Thread(target=lambda: got.setdefault("r", httpx.post(
+        s.url + "/v1/chat/completions", json={"model": "endless", "messages": FORTUNE, "max_tokens": 2},
+        timeout=30)), daemon=True)
+    waiting.start()
+    s.wait(lambda: s.health()["queue"]["waiting"] == 1)
+    s.state.worker.close()
+    waiting.join(10)
+    assert "shutting down" in _error(got["r"], 503)
+    job = s.state.worker.finished[-1]
+    assert job.cancelled and job.tokens < 30000
+    assert "shutting down" in _error(_post(s, "/v1/chat/completions", OK_CHAT | {"model": "endless"}), 503)
+    resp.close()
+    client.close()
