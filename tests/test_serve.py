@@ -415,6 +415,38 @@ def test_a_non_streaming_client_that_goes_away_is_cancelled_too(serve, endless):
     assert job.cancelled and job.tokens < 30000 and job.tokens - job.tokens_at_cancel <= 1
 
 
+def _asgi_tasks(s) -> int:
+    """Requests the server is still handling (its tasks running an ASGI cycle)."""
+    import asyncio
+    loop = s.server.servers[0].get_loop()
+
+    async def count():
+        return sum("run_asgi" in repr(t.get_coro()) for t in asyncio.all_tasks())
+    return asyncio.run_coroutine_threadsafe(count(), loop).result(5)
+
+
+def test_a_waiting_client_that_goes_away_leaves_the_queue(serve, endless):
+    s = serve(endless, max_queue=2)
+    client, resp, lines = _start_stream(s)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + "/v1/chat/completions", json={"model": "endless", "messages": FORTUNE, "max_tokens": 2},
+                   timeout=httpx.Timeout(30, read=0.5))
+    s.wait(lambda: s.health()["queue"]["waiting"] == 0, timeout=5)
+    assert s.health()["queue"]["decoding"] is True       # the first one goes on
+    assert s.health()["requests"]["cancelled"] == 1
+    # and a streamed one that waits
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", s.url + "/v1/chat/completions",
+                      json={"model": "endless", "messages": FORTUNE, "max_tokens": 2, "stream": True}) as r:
+            assert r.status_code == 200
+            s.wait(lambda: s.health()["queue"]["waiting"] == 1)
+    s.wait(lambda: s.health()["queue"]["waiting"] == 0, timeout=5)
+    assert s.health()["requests"]["cancelled"] == 2 and s.health()["queue"]["decoding"] is True
+    s.wait(lambda: _asgi_tasks(s) == 1)       # only the decoding stream's: no handler left waiting
+    resp.close()
+    client.close()
+
+
 def test_a_full_queue_answers_429_with_retry_after(serve, endless):
     s = serve(endless, max_queue=1)
     client, resp, lines = _start_stream(s)                   # decoding

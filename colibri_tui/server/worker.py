@@ -103,6 +103,8 @@ class Worker:
                     pass
                 job.state = "done"
                 self.counts["cancelled"] += 1
+                self._push(job, ("done", "cancelled"))      # whoever still waits on it ends
+                self._push(job, END)
             elif job.state == "running" and not job.cancelled:
                 job.cancelled = True
                 job.tokens_at_cancel = job.tokens
