@@ -267,6 +267,8 @@ OK_CHAT = {"model": DEMO, "messages": FORTUNE, "max_tokens": 2}
     ({**OK_CHAT, "max_tokens": 10 ** 9}, "max_position_embeddings"),
     ({**OK_CHAT, "stream": "yes"}, "'stream' must be a boolean"),
     ({**OK_CHAT, "stop": [1]}, "'stop' must be a string or an array of strings"),
+    ({**OK_CHAT, "stop": "x" * 257}, "longer than 256 characters"),
+    ({**OK_CHAT, "stop": ["a"] * 17}, "at most 16"),
     ({**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
     ({**OK_CHAT, "n": 2}, "'n' is not supported"),
     ({**OK_CHAT, "logprobs": True}, "'logprobs' is not supported"),

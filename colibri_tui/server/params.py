@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+MAX_STOP_CHARS = 256
+
 
 class ApiError(Exception):
     """An HTTP error with a JSON body; ``kind``: the API's error type
@@ -79,6 +81,9 @@ def stops(body: dict, name: str, limit: int = 16) -> list[str]:
         raise bad(f"'{name}' must be a string or an array of strings", name)
     if len(v) > limit:
         raise bad(f"'{name}' has {len(v)} entries; at most {limit}", name)
+    # the engine looks for every prefix of every stop string after each token: bounded here
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise bad(f"'{name}': a stop string is longer than {MAX_STOP_CHARS} characters", name)
     return [s for s in v if s]
 
 
