@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from core import kernels
+from core.cache_kinds import KV
 from core.engine import KVCache
 from core.rope import Rope
 
@@ -162,6 +163,7 @@ def test_softmax_topk_matches_numpy(T, E, k, norm):
 def test_kv_cache_grows_and_keeps_what_it_holds():
     class Spec:
         num_layers, num_kv_heads, head_dim, max_position_embeddings = 2, 3, 4, 16   # reserve 16
+        cache_kinds = [KV(3, 4)] * 2
     cache = KVCache(Spec)
     rng = np.random.default_rng(0)
     ks = rng.standard_normal((150, 3, 4)).astype(np.float32)
@@ -180,6 +182,7 @@ def test_kv_cache_reservation_costs_no_memory_until_written():
 
     class Spec:
         num_layers, num_kv_heads, head_dim, max_position_embeddings = 16, 16, 128, 4096
+        cache_kinds = [KV(16, 128)] * 16
     cache = KVCache(Spec)
     k = np.ones((1, 16, 128), np.float32)
     before = psutil.Process().memory_info().rss
