@@ -374,31 +374,38 @@ async def chat_completions(request: Request, state: ServeState) -> Response:
                          "logprobs": None, "finish_reason": OPENAI_FINISH.get(r["reason"], "stop")}],
             "usage": _openai_usage(p, c), "system_fingerprint": None})
 
-    def chunk(delta, finish=None):
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None}
 
-    async def frames():
-        yield _sse(chunk({"role": "assistant", "content": ""}))
-        stats, reason = None, None
-        async for kind, val in _items(job):
-            if kind == "token" and val.text:
-                yield _sse(chunk({"content": val.text}))
-            elif kind == "stats":
-                stats = val
-            elif kind == "done":
-                reason = val
-            elif kind == "error":
-                yield _sse(_openai_error_body(val[0], val[1]))
-                return
-        yield _sse(chunk({}, OPENAI_FINISH.get(reason, "stop")))
-        if include_usage:
-            p, c = _usage_counts(stats, ids)
-            yield _sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "system_fingerprint": None, "choices": [], "usage": _openai_usage(p, c)})
-        yield "data: [DONE]\n\n"
-    return _streaming(state, job, "/v1/chat/completions", frames())
+    def chunk(delta, finish=None):
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    frames = _openai_frames(job, ids, head, include_usage, text=lambda t: chunk({"content": t}),
+                            final=lambda f: chunk({}, f), opening=chunk({"role": "assistant", "content": ""}))
+    return _streaming(state, job, "/v1/chat/completions", frames)
+
+
+async def _openai_frames(job, ids, head: dict, include_usage: bool, text, final, opening=None):
+    """An OpenAI stream's SSE frames, for chat and plain completions alike: ``opening`` first if
+    any, ``text(piece)`` per token batch, ``final(finish_reason)``, the usage chunk when asked
+    (``head`` + empty choices), then [DONE]; an error mid-stream is one error frame."""
+    if opening is not None:
+        yield _sse(opening)
+    stats, reason = None, None
+    async for kind, val in _items(job):
+        if kind == "token" and val.text:
+            yield _sse(text(val.text))
+        elif kind == "stats":
+            stats = val
+        elif kind == "done":
+            reason = val
+        elif kind == "error":
+            yield _sse(_openai_error_body(val[0], val[1]))
+            return
+    yield _sse(final(OPENAI_FINISH.get(reason, "stop")))
+    if include_usage:
+        p, c = _usage_counts(stats, ids)
+        yield _sse({**head, "choices": [], "usage": _openai_usage(p, c)})
+    yield "data: [DONE]\n\n"
 
 
 def _completion_prompt(body: dict):
@@ -441,29 +448,11 @@ async def completions(request: Request, state: ServeState) -> Response:
                              "choices": [choice(r["text"], OPENAI_FINISH.get(r["reason"], "stop"))],
                              "usage": _openai_usage(p, c), "system_fingerprint": None})
 
-    def chunk(text, finish=None):
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": None, "choices": [choice(text, finish)]}
-
-    async def frames():
-        stats, reason = None, None
-        async for kind, val in _items(job):
-            if kind == "token" and val.text:
-                yield _sse(chunk(val.text))
-            elif kind == "stats":
-                stats = val
-            elif kind == "done":
-                reason = val
-            elif kind == "error":
-                yield _sse(_openai_error_body(val[0], val[1]))
-                return
-        yield _sse(chunk("", OPENAI_FINISH.get(reason, "stop")))
-        if include_usage:
-            p, c = _usage_counts(stats, ids)
-            yield _sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                        "system_fingerprint": None, "choices": [], "usage": _openai_usage(p, c)})
-        yield "data: [DONE]\n\n"
-    return _streaming(state, job, "/v1/completions", frames())
+    head = {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None}
+    frames = _openai_frames(job, ids, head, include_usage, text=lambda t: {**head, "choices": [choice(t, None)]},
+                            final=lambda f: {**head, "choices": [choice("", f)]})
+    return _streaming(state, job, "/v1/completions", frames)
 
 
 # --- Anthropic -------------------------------------------------------------------------------------
