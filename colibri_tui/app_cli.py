@@ -15,7 +15,7 @@ from core.errors import ColiError
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", default=None,
                    help="a converted colibrì container (default: $COLI_MODEL, the config, else the demo model)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: the config, or all cores)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: the config, or the physical cores other programs leave free, followed as it runs)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--ram-gb", type=float, default=None,
                    help="RAM for routed experts, in GB (default: $COLI_RAM_GB, the config, or automatic)")

@@ -41,7 +41,7 @@ def _parse_ids(text: str) -> list[int]:
 def _add_model(p, store=True):
     p.add_argument("--model", metavar="DIR", default=os.environ.get("COLI_MODEL"),
                    help="a converted colibrì container (default: $COLI_MODEL, else the demo model)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="compute threads (default: the physical cores other programs leave free, followed as it runs)")
     p.add_argument("--int8-activations", action="store_true",
                    help="faster int4 products with x rounded to int8 (~0.5%% rms error; off by default)")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="float32",

@@ -195,7 +195,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 yield _field("cache policy", Select([(p, p) for p in POLICIES], value=s.policy,
                                                     allow_blank=False, id="policy"))
                 yield _field("threads", Input("" if s.threads is None else str(s.threads), id="threads",
-                                              placeholder="all cores"))
+                                              placeholder="automatic"))
                 yield Checkbox("lookahead prefetch", s.prefetch, id="prefetch")
                 yield Checkbox("O_DIRECT reads", s.o_direct, id="o_direct")
                 yield Checkbox("float16 KV cache (half the RAM)",

@@ -171,7 +171,7 @@ class Settings:
     ram_gb: float | None = None     # expert RAM budget in GB; None = automatic
     policy: str = "lfru"
     prefetch: bool = True
-    threads: int | None = None      # None = all cores
+    threads: int | None = None      # None = automatic: the cores other programs leave free (core.threads)
     o_direct: bool = False
     kv_cache: str = "float32"       # KV cache precision; "float16" is opt-in (outputs change slightly)
     sampling: Sampling = field(default_factory=Sampling)
