@@ -115,6 +115,23 @@ def _diff(a, b, path="") -> list[str]:
     return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} -> {b!r}"[:200]]
 
 
+def _mutate_json_file(rng: random.Random, path) -> str:
+    data = json.loads(path.read_text())
+    before = json.loads(json.dumps(data))
+    _mutate_json(rng, data)
+    path.write_text(json.dumps(data))
+    return f"{path.name}: {_diff(before, data)}"
+
+
+def _rewrite_header(shard, data: bytes, n: int, header: dict, before: dict, delta: int) -> str:
+    """The shard with ``header`` in place of its old one (``n`` bytes), the data unchanged and
+    the length field off by ``delta``."""
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    shard.write_bytes((len(blob) + delta).to_bytes(8, "little") + blob + data[8 + n:])
+    return f"{shard.name} header: {_diff(before, header)} (length field {delta:+d})"
+
+
 def _edit_manifest(d, change):
     m = json.loads((d / MANIFEST).read_text())
     change(m)
@@ -144,24 +161,11 @@ def mutate(rng: random.Random, d, target: str) -> str:
             a, b = rng.sample(sorted(k for k in header if k != "__metadata__"), 2)
             if isinstance(header[a], dict) and isinstance(header[b], dict):
                 header[b] = dict(header[b], data_offsets=header[a].get("data_offsets"))
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        delta = rng.choice([0, 0, 0, -1, -2, -3, 1])
-        s.write_bytes((len(blob) + delta).to_bytes(8, "little") + blob + data[8 + n:])
-        return f"{s.name} header: {_diff(before, header)} (length field {delta:+d})"
+        return _rewrite_header(s, data, n, header, before, rng.choice([0, 0, 0, -1, -2, -3, 1]))
     if target == "manifest":
-        m = json.loads((d / MANIFEST).read_text())
-        before = json.loads(json.dumps(m))
-        _mutate_json(rng, m)
-        (d / MANIFEST).write_text(json.dumps(m))
-        return f"manifest: {_diff(before, m)}"
+        return _mutate_json_file(rng, d / MANIFEST)
     if target in ("config", "generation_config", "tokenizer_config"):
-        p = d / f"{target}.json"
-        data = json.loads(p.read_text())
-        before = json.loads(json.dumps(data))
-        _mutate_json(rng, data)
-        p.write_text(json.dumps(data))
-        return f"{p.name}: {_diff(before, data)}"
+        return _mutate_json_file(rng, d / f"{target}.json")
     if target == "usage":
         p = d / ".coli_usage"
         lines = ["-1 2 4", "-2 1 7"] + [f"{rng.randrange(-2, 3)} {rng.randrange(-1, 5)} "
@@ -280,17 +284,8 @@ def mutate_source(rng: random.Random, src, target: str) -> str:
         n, header = _header(data)
         before = json.loads(json.dumps(header))
         _mutate_json(rng, header)
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        delta = rng.choice([0, 0, -1, -3])
-        s.write_bytes((len(blob) + delta).to_bytes(8, "little") + blob + data[8 + n:])
-        return f"{s.name} header: {_diff(before, header)} (length field {delta:+d})"
-    p = src / f"{target}.json"
-    data = json.loads(p.read_text())
-    before = json.loads(json.dumps(data))
-    _mutate_json(rng, data)
-    p.write_text(json.dumps(data))
-    return f"{p.name}: {_diff(before, data)}"
+        return _rewrite_header(s, data, n, header, before, rng.choice([0, 0, -1, -3]))
+    return _mutate_json_file(rng, src / f"{target}.json")
 
 
 def test_converter_inputs_convert_cleanly_or_are_refused(pristine_source, tmp_path, request):
