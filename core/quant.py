@@ -79,8 +79,11 @@ def matmul_int8_ref(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndar
 # --- which scheme each tensor gets at conversion -------------------------------------------------
 # colibrì's defaults: routed/shared experts and attention (every other 2-D weight) at int4 gs64,
 # embeddings and lm_head int8 per row, norms / router / biases F32. ``--bits 8`` puts the int4
-# class at int8; ``--bits 16`` quantizes nothing and keeps every source dtype.
-_F32_SUFFIXES = ("norm.weight", "mlp.gate.weight", "router.weight", "shared_expert_gate.weight")
+# class at int8; ``--bits 16`` quantizes nothing and keeps every source dtype. The DSA indexer's
+# per-head weights stay F32 as transformers keeps them (``_keep_in_fp32_modules``): they decide
+# which positions attention sees.
+_F32_SUFFIXES = ("norm.weight", "mlp.gate.weight", "router.weight", "shared_expert_gate.weight",
+                 "indexer.weights_proj.weight")
 _INT8_PARTS = ("embed_tokens", "lm_head")
 
 
