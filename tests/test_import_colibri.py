@@ -98,7 +98,8 @@ def pair(tmp_path):
     write_hf_model(tmp_path / "hf", cfg, w)
     ours = convert(tmp_path / "hf", tmp_path / "ours", bits=4, validate_config=validate_config)
     n = cfg["num_hidden_layers"]
-    mtp_src = {f"model.layers.{n}.mlp.experts.0.up_proj.weight": w["model.layers.0.mlp.experts.0.up_proj.weight"],
+    mtp_src = {f"model.layers.{n}.mlp.experts.0.up_proj.weight":
+               w["model.layers.0.mlp.experts.0.up_proj.weight"],
                f"model.layers.{n}.eh_proj.weight": w["model.layers.0.self_attn.q_proj.weight"][:, :128],
                f"model.layers.{n}.enorm.weight": w["model.norm.weight"]}
     mtp = their_tensors(mtp_src)
@@ -166,9 +167,22 @@ def test_import_cli_resume_and_convert_hint(pair, capsys, dirs):
     manifest = (tmp / "c" / MANIFEST).read_text()
     assert coli(["import-colibri", str(theirs), str(tmp / "c")]) == 0      # finished: nothing to do
     assert (tmp / "c" / MANIFEST).read_text() == manifest
-    (tmp / "c" / MANIFEST).unlink()                                        # resume: same bytes
-    assert coli(["import-colibri", str(theirs), str(tmp / "c")]) == 0
-    assert json.loads((tmp / "c" / MANIFEST).read_text())["checksums"] == json.loads(manifest)["checksums"]
+    import core.import_colibri as ic                   # interrupted after a few tensors, then resumed
+    calls, real = [0], ic._copy
+
+    def dying(*a):
+        calls[0] += 1
+        if calls[0] > 40:
+            raise KeyboardInterrupt
+        real(*a)
+    ic._copy = dying
+    try:
+        assert coli(["import-colibri", str(theirs), str(tmp / "r")]) != 0
+    finally:
+        ic._copy = real
+    assert not (tmp / "r" / MANIFEST).exists() and (tmp / "r" / ".coli_convert.json").exists()
+    assert coli(["import-colibri", str(theirs), str(tmp / "r")]) == 0
+    assert json.loads((tmp / "r" / MANIFEST).read_text())["checksums"] == json.loads(manifest)["checksums"]
     line = one_error_line(capsys, ["convert", str(theirs), str(tmp / "x")])
     assert "coli import-colibri" in line and not (tmp / "x" / MANIFEST).exists()
 
