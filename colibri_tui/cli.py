@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, choices=(4, 8, 16), default=4,
                    help="4: int4 experts/attention (default); 8: int8; 16: nothing quantized")
     p.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
+    p.add_argument("--drop-mtp", action="store_true",
+                   help="leave out the multi-token-prediction (MTP) layers; by default they are kept "
+                        "in mtp-* shards of their own, which the engine does not load")
 
     p = sub.add_parser("download", help="download a Hugging Face model (resumable)")
     p.add_argument("repo", metavar="REPO", help="Hugging Face repo id, e.g. allenai/OLMoE-1B-7B-0924")
@@ -227,10 +230,13 @@ def cmd_convert(args) -> int:
     with _progress_bar("converting", lambda p: (p.done_bytes, p.total_bytes,
                                                 f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")) as progress:
         out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size,
-                      validate_config=validate_config, progress=progress)
+                      validate_config=validate_config, progress=progress, drop_mtp=args.drop_mtp)
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     remember(out)
     print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
+    mtp = _mtp_summary(Path(out))
+    if mtp is not None:
+        print(f"MTP layers: {mtp}", file=sys.stderr)
     from core.downloader import STATE
     if (Path(args.src) / STATE).is_file():        # a `coli download` folder: say it can go
         from .cli_models import dir_size
@@ -324,6 +330,25 @@ def cmd_logits(args) -> int:
     return 0
 
 
+def _mtp_summary(path: Path, manifest: dict | None = None) -> str | None:
+    """One line on the MTP layers the converter set aside or dropped (None: the source had none)."""
+    if manifest is None:
+        try:
+            manifest = json.loads((path / "colibri.json").read_text())
+        except (OSError, ValueError):
+            return None
+    m = manifest.get("mtp") if isinstance(manifest, dict) else None
+    if not isinstance(m, dict):
+        return None
+    which = ", ".join(str(g) for g in m.get("groups", [])) or "?"
+    if m.get("dropped"):
+        return (f"{which} dropped at conversion (--drop-mtp; "
+                f"{m.get('source_bytes', 0) / 1e6:.1f} MB of source)")
+    n = len(m.get("shards", []))
+    return (f"{which} kept aside, not loaded ({n} shard{'s' if n != 1 else ''}, "
+            f"{m.get('bytes', 0) / 1e6:.1f} MB)")
+
+
 def cmd_info(args) -> int:
     from core import kernels
     from core.container import Container
@@ -339,12 +364,15 @@ def cmd_info(args) -> int:
         "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
         "quantization": c.manifest.get("classes"),
         "bytes_total": total, "bytes_experts": expert_bytes, "bytes_dense": total - expert_bytes,
+        "mtp": ({k: c.mtp.get(k) for k in ("dropped", "groups", "layers", "shards", "tensors", "bytes",
+                                             "source_bytes") if k in c.mtp} if c.mtp else None),
         "kernels": kernels.backend(), "openmp": kernels.openmp_enabled(),
         "threads": kernels.get_threads(), "simd": kernels.simd_level(),
     }
     if args.json:
         print(json.dumps(info))
     else:
+        info["mtp"] = _mtp_summary(c.path, c.manifest) or "none"
         for k, v in info.items():
             print(f"{k:>14}: {v}")
     return 0

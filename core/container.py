@@ -125,6 +125,10 @@ class Container:
         if odd is not None:       # the converter writes one group size for every int4 tensor
             raise ColiError(f"{self.path}: {MANIFEST}: tensor {odd} has group size "
                             f"{self.quant[odd].group_size}, the converter's was {gs!r}")
+        # MTP layers the converter set aside (core.converter): their shards are never opened here,
+        # so they are no layers or experts of this model; `coli info` reports them
+        mtp = self.manifest.get("mtp")
+        self.mtp: dict | None = mtp if isinstance(mtp, dict) else None
         shards = self.manifest.get("shards")
         if not isinstance(shards, list) or not all(isinstance(x, str) and x for x in shards):
             raise ColiError(f"{self.path}: {MANIFEST} has no valid list of shards")

@@ -7,12 +7,25 @@ written to a temp file and renamed when complete, and a journal records finished
 with the same parameters skips them; the result is byte-identical to an uninterrupted run (the
 writer is deterministic). ``colibri.json`` is written last, so a directory without it is never
 mistaken for a finished container. A lock file keeps two converters out of one directory.
+
+Checkpoints as the Hub ships them:
+* Fused expert tensors (transformers 5's in-memory layout, which some checkpoints are saved in):
+  ``...mlp.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+  ``...mlp.experts.down_proj`` [E, H, I] are split into our per-expert tensors
+  ``...mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``, read a row block of one expert at a
+  time; the result is byte-identical to converting the same weights given per expert.
+* MTP (multi-token prediction) layers -- ``model.layers.N.*`` with N >= ``num_hidden_layers``, and
+  ``mtp.*`` / ``model.mtp.*`` -- are no part of the language model: they go to shards of their own
+  (``mtp-0000i-of-0000k.safetensors``, quantized with the same classes), listed in the manifest
+  under ``"mtp"`` and not under ``"shards"``, so the engine never opens them; their checksums are
+  recorded with the others. ``drop_mtp`` leaves them out (the manifest still says so).
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +39,7 @@ from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_
 from .errors import ColiError
 from .fileio import atomic_write_text
 from .integrity import ALGORITHM, shard_checksums
-from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter
+from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
 PEAK_BOUND_BLOCKS = 8        # peak extra memory stays under this many blocks (tested)
@@ -38,6 +51,26 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 FP8_SCALE_SUFFIX = "_scale_inv"
 FP8_BLOCK = 128
 CONVERTER_VERSION = 1
+MTP_KEY = "mtp"                 # the manifest's entry for the MTP layers (see mtp_group)
+MTP_SHARD_PREFIX = "mtp-"       # their shards: mtp-00001-of-0000k.safetensors
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<kind>gate_up_proj|down_proj)$")
+_MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_TOP = re.compile(r"^((?:model\.)?mtp)\.(?:(layers\.\d+)\.)?")
+
+
+def mtp_group(name: str, num_layers: int | None) -> str | None:
+    """The MTP group (shard) a tensor belongs to -- ``model.layers.N`` for N >= ``num_layers``
+    (transformers' ``_keys_to_ignore_on_load_unexpected``: GLM-4.5's layer 46/92, DeepSeek-V3's 61,
+    GLM-5's 78), ``mtp.layers.K`` / ``mtp`` (and ``model.mtp...``) for a top-level MTP module --
+    or None for a tensor of the language model."""
+    m = _MTP_LAYER.match(name)
+    if m:
+        n = int(m.group(1))
+        return f"model.layers.{n}" if isinstance(num_layers, int) and n >= num_layers else None
+    m = _MTP_TOP.match(name)
+    if m:
+        return m.group(1) + (f".{m.group(2)}" if m.group(2) else "")
+    return None
 
 
 @dataclass
@@ -57,9 +90,15 @@ class _Source:
     dtype: str
     shape: tuple[int, ...]
     scale_inv: str | None = None      # FP8 block-scale tensor consumed with this weight
+    # a slice of a fused 3-D expert tensor: rows [row0, row0 + shape[0]) of expert ``expert``
+    fused: str | None = None
+    expert: int = 0
+    row0: int = 0
 
     @property
     def nbytes(self) -> int:
+        if self.fused is not None:
+            return int(np.prod(self.shape)) * DTYPES[self.dtype].itemsize
         return self.file.tensors[self.name].nbytes
 
 
@@ -147,22 +186,101 @@ def _gather(files: list[SafetensorsFile]) -> dict[str, _Source]:
     return sources
 
 
+def _stored_rows(src: _Source, r0: int, r1: int) -> np.ndarray:
+    """Stored elements of rows [r0, r1) of a source tensor (of its slice of a fused tensor)."""
+    if src.fused is None:
+        return src.file.raw(src.name, r0, r1)
+    t = src.file.tensors[src.fused]
+    dt = DTYPES[t.dtype]
+    rows, cols = t.shape[1], t.shape[2]
+    first = src.expert * rows + src.row0 + r0
+    buf = src.file.pread((r1 - r0) * cols * dt.itemsize, t.start + first * cols * dt.itemsize)
+    return np.frombuffer(buf, dtype=dt).reshape(r1 - r0, cols)
+
+
 def _read_rows(src: _Source, files_by_name: dict[str, SafetensorsFile], r0: int, r1: int) -> np.ndarray:
     """float32 rows [r0, r1) of a 2-D source tensor, FP8 block scales applied."""
-    x = src.file.float32(src.name, r0, r1)
+    x = to_float32(_stored_rows(src, r0, r1), src.dtype)
     if src.scale_inv is not None:
         sf = files_by_name[src.scale_inv]
-        s = sf.float32(src.scale_inv)
-        rows = np.arange(r0, r1) // FP8_BLOCK
+        if src.fused is None:
+            s = sf.float32(src.scale_inv)
+        else:                     # [E, rows/128, cols/128]: this expert's blocks only
+            s = sf.float32(src.scale_inv, src.expert, src.expert + 1)[0]
+        rows = (src.row0 + np.arange(r0, r1)) // FP8_BLOCK
         cols = np.arange(x.shape[1]) // FP8_BLOCK
         x = x * s[rows][:, cols]
     return x
 
 
-def _plan(sources: dict[str, _Source], bits: int) -> list[tuple[str, list[_Out]]]:
-    """Output shards in order: one per decoder layer, then everything else. Within a layer, the
-    dense tensors by name, then each routed expert's tensors together."""
+def _expert_count(config: dict) -> int | None:
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool):
+            return config[key]
+    return None
+
+
+def _split_fused(sources: dict[str, _Source], config: dict, files_by_name) -> dict[str, _Source]:
+    """Replace each fused 3-D expert tensor by its per-expert slices (no bytes are read)."""
+    H = config.get("hidden_size")
+    E = _expert_count(config)
+    out = {n: s for n, s in sources.items() if not _FUSED.match(n)}
+    inter: dict[str, tuple[int, int, str]] = {}     # prefix -> (experts, intermediate, tensor)
+    fused = [n for n in sources if _FUSED.match(n)]      # each prefix's gate_up_proj first
+    for name in sorted(fused, key=lambda n: (_FUSED.match(n).group("prefix"), not n.endswith("gate_up_proj"))):
+        s = sources[name]
+        prefix, kind = _FUSED.match(name).group("prefix", "kind")
+        gate_up = kind == "gate_up_proj"
+        want = "[experts, 2 x intermediate, hidden]" if gate_up else "[experts, hidden, intermediate]"
+
+        def bad(why: str) -> ColiError:
+            return ColiError(f"{s.file.path.name}: fused expert tensor {name} {why}")
+        if len(s.shape) != 3:
+            raise bad(f"has shape {list(s.shape)}; a fused {kind} is 3-D {want}")
+        if s.dtype not in FLOAT_DTYPES:
+            raise bad(f"has dtype {s.dtype}, not a floating-point type")
+        e, rows, cols = s.shape
+        i_size = rows // 2 if gate_up else cols
+        h_size = cols if gate_up else rows
+        if (gate_up and rows % 2) or (isinstance(H, int) and h_size != H) or (E is not None and e != E) \
+                or i_size == 0:
+            raise bad(f"has shape {list(s.shape)}, but the config needs {want} = "
+                      f"[{E if E is not None else 'E'}, {'2 x I' if gate_up else H}, "
+                      f"{H if gate_up else 'I'}] (hidden_size {H}, {E} experts)")
+        seen = inter.setdefault(prefix, (e, i_size, name))
+        if seen[:2] != (e, i_size):
+            raise bad(f"has shape {list(s.shape)}, which disagrees with {seen[2]} "
+                      f"({seen[0]} experts of intermediate size {seen[1]})")
+        if s.scale_inv is not None:
+            if s.dtype != "F8_E4M3":
+                raise bad(f"has block scales ({s.scale_inv}) but dtype {s.dtype}, not F8_E4M3")
+            got = files_by_name[s.scale_inv].tensors[s.scale_inv]
+            need = (e, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+            if tuple(got.shape) != need or (gate_up and i_size % FP8_BLOCK):
+                raise bad(f"is FP8 with scales {s.scale_inv} {list(got.shape)}: only the layout of "
+                          f"transformers' fused FP8 experts, scales {list(need)} of {FP8_BLOCK}x"
+                          f"{FP8_BLOCK} blocks with an intermediate size divisible by {FP8_BLOCK}, "
+                          f"is understood; convert a per-expert or BF16 checkpoint instead")
+        parts = (("gate_proj", 0), ("up_proj", i_size)) if gate_up else (("down_proj", 0),)
+        for x in range(e):
+            for part, row0 in parts:
+                target = f"{prefix}{x}.{part}.weight"
+                if target in out:
+                    raise bad(f"holds expert {x}'s {part}, which {target} gives as well")
+                out[target] = _Source(target, s.file, s.dtype,
+                                      (i_size if gate_up else h_size, cols), s.scale_inv,
+                                      fused=name, expert=x, row0=row0)
+    return out
+
+
+def _plan(sources: dict[str, _Source], bits: int,
+          mtp: dict[str, str] | None = None) -> list[tuple[str, list[_Out]]]:
+    """Output shards in order: one per decoder layer, then everything else, then one per MTP group
+    (``mtp``: tensor name -> group, see ``mtp_group``). Within a shard, the dense tensors by name,
+    then each routed expert's tensors together."""
+    mtp = mtp or {}
     by_layer: dict[int | None, list[_Out]] = {}
+    by_group: dict[str, list[_Out]] = {}
     for name in sorted(sources):
         s = sources[name]
         if s.dtype not in FLOAT_DTYPES and bits != 16:
@@ -171,6 +289,9 @@ def _plan(sources: dict[str, _Source], bits: int) -> list[tuple[str, list[_Out]]
             scheme = quant.scheme_for(name, len(s.shape), bits)
         if s.scale_inv is not None and bits == 16:
             scheme = "f32"   # FP8 with block scales: widened exactly (scale applied) at --bits 16
+        if name in mtp:
+            by_group.setdefault(mtp[name], []).append(_Out(s, scheme))
+            continue
         layer, _ = tensor_place(name)
         by_layer.setdefault(layer, []).append(_Out(s, scheme))
 
@@ -183,7 +304,16 @@ def _plan(sources: dict[str, _Source], bits: int) -> list[tuple[str, list[_Out]]
     plan = [(f"layer-{k:0{width}d}.safetensors", sorted(by_layer[k], key=order)) for k in layers]
     if None in by_layer:
         plan.append(("model-other.safetensors", sorted(by_layer[None], key=order)))
+    groups = sorted(by_group, key=_group_key)
+    plan += [(f"{MTP_SHARD_PREFIX}{i + 1:05d}-of-{len(groups):05d}.safetensors",
+              sorted(by_group[g], key=order)) for i, g in enumerate(groups)]
     return plan
+
+
+def _group_key(group: str):
+    m = re.search(r"layers\.(\d+)$", group)
+    return (not group.startswith("model.layers."), group.rsplit(".layers.", 1)[0] if m else group,
+            int(m.group(1)) if m else -1)
 
 
 def _convert_tensor(w: SafetensorsWriter, o: _Out, group_size: int, files_by_name, report) -> None:
@@ -197,7 +327,7 @@ def _convert_tensor(w: SafetensorsWriter, o: _Out, group_size: int, files_by_nam
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         if o.scheme == "keep" and s.scale_inv is None and not s.dtype.startswith("F8_"):
-            block = s.file.raw(s.name, r0, r1) if len(s.shape) >= 2 else s.file.raw(s.name)
+            block = _stored_rows(s, r0, r1) if len(s.shape) >= 2 else s.file.raw(s.name)
             w.write(s.name, block, r0 * block.nbytes // max(1, r1 - r0))
         elif len(s.shape) < 2:
             w.write(s.name, s.file.float32(s.name))
@@ -252,8 +382,9 @@ def _space_check(out: Path, need: int) -> None:
 
 def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 64,
             validate_config: Callable[[dict], None] | None = None,
-            progress: Callable[[Progress], None] | None = None) -> Path:
-    """Convert ``src`` (a local Hugging Face model directory) into a container at ``out``."""
+            progress: Callable[[Progress], None] | None = None, drop_mtp: bool = False) -> Path:
+    """Convert ``src`` (a local Hugging Face model directory) into a container at ``out``.
+    ``drop_mtp``: leave the MTP layers out (by default they go to shards of their own)."""
     src, out = Path(src), Path(out)
     if bits not in (4, 8, 16):
         raise ColiError(f"--bits must be 4, 8 or 16, not {bits}")
@@ -270,19 +401,34 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
         validate_config(config)
     _check_side_files(src)
     files = _open_sources(src)
-    sources = _gather(files)
-    if validate_config is not None:       # the weights against the config, before any writing
-        try:
-            validate_config(config, {n: s.shape for n, s in sources.items()})
-        except BaseException:
-            for f in files:
-                f.close()
-            raise
-    files_by_name = {n: f for f in files for n in f.tensors}
-    plan = _plan(sources, bits)
+    try:
+        files_by_name = {n: f for f in files for n in f.tensors}
+        sources = _split_fused(_gather(files), config, files_by_name)
+        num_layers = config.get("num_hidden_layers")
+        mtp = {n: g for n in sources if (g := mtp_group(n, num_layers)) is not None}
+        if validate_config is not None:   # the weights against the config, before any writing
+            validate_config(config, {n: s.shape for n, s in sources.items() if n not in mtp})
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    mtp_entry = None
+    if mtp:
+        groups = sorted(set(mtp.values()), key=_group_key)
+        mtp_entry = {"dropped": bool(drop_mtp), "groups": groups,
+                     "layers": sorted({int(g.rsplit(".", 1)[1]) for g in groups
+                                       if g.startswith("model.layers.")}),
+                     "source_bytes": sum(sources[n].nbytes for n in mtp)}
+        if drop_mtp:
+            mtp_entry["tensors"] = len(mtp)
+            sources = {n: s for n, s in sources.items() if n not in mtp}
+            mtp = {}
+    plan = _plan(sources, bits, mtp)
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}
+    if mtp_entry is not None:       # only where it matters, so older journals still resume
+        params["drop_mtp"] = bool(drop_mtp)
 
     def copy_side_files(out: Path) -> None:
         for fname in COPIED_FILES:
@@ -295,7 +441,8 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
         return write_container(
             out, params, plan, bits, group_size, config.get("model_type"),
             write_tensor=lambda w, o, report: _convert_tensor(w, o, group_size, files_by_name, report),
-            cost=lambda o: o.source.nbytes, finalize=copy_side_files, progress=progress)
+            cost=lambda o: o.source.nbytes, finalize=copy_side_files, progress=progress,
+            mtp=mtp_entry)
     finally:
         for f in files:
             f.close()
@@ -304,12 +451,17 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
 def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]], bits: int,
                     group_size: int, model_type: str | None, write_tensor, cost, finalize,
                     progress: Callable[[Progress], None] | None = None,
-                    manifest_extra: dict | None = None) -> Path:
+                    manifest_extra: dict | None = None, mtp: dict | None = None) -> Path:
     """Write the shards of ``plan`` into ``out`` resumably, under the lock, manifest last.
 
     ``write_tensor(writer, out_tensor, report)`` fills one tensor (calling ``report(n)`` as it
     goes, in units of ``cost``); ``finalize(out)`` writes the side files just before the manifest.
     Used by the converter and by ``core.synthetic``, so their containers cannot differ in layout.
+
+    Shards named ``mtp-...`` hold MTP layers: they are listed under the manifest's ``"mtp"``
+    (``mtp``'s fields plus ``shards``, ``tensors`` (a count), ``bytes`` and ``quantized``, their
+    tensors' entries in the form of the top-level ``tensors``), not under ``"shards"``, so no
+    Container opens them; ``checksums`` covers them with the others.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -333,7 +485,7 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
             if isinstance(old, dict):
                 if old.get("params") != params:
                     prev = old.get("params") or {}
-                    diff = [k for k in params if prev.get(k) != params[k]]
+                    diff = [k for k in {**prev, **params} if prev.get(k) != params.get(k)]
                     raise ColiError(f"{out} holds an unfinished conversion with different parameters "
                                     f"({', '.join(diff)}); rerun with the same ones or use another "
                                     f"directory")
@@ -378,18 +530,30 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                 ok = isinstance(rec, dict) and all(isinstance(rec.get(k), str)
                                                    for k in (ALGORITHM, "header_" + ALGORITHM))
                 checksums[name] = rec if ok else shard_checksums(out / name)
-            quantized = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
-                                         **({"group_size": group_size} if o.scheme == "int4" else {})}
-                         for _, outs in plan for o in outs if o.scheme in ("int4", "int8")}
+            def quantized(shards) -> dict:
+                q = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
+                                     **({"group_size": group_size} if o.scheme == "int4" else {})}
+                     for name, outs in plan if name in shards for o in outs
+                     if o.scheme in ("int4", "int8")}
+                return dict(sorted(q.items()))
+            aside = [name for name, _ in plan if name.startswith(MTP_SHARD_PREFIX)]
+            main = [name for name, _ in plan if name not in aside]
             manifest = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, "model_type": model_type,
                 "converter": {"params": params, "bits": bits, "group_size": group_size},
                 "classes": _class_summary(bits, group_size),
-                "shards": [name for name, _ in plan],
-                "tensors": dict(sorted(quantized.items())),
+                "shards": main,
+                "tensors": quantized(set(main)),
                 "checksums": checksums,      # per shard, of the file and its header (core.integrity)
                 **(manifest_extra or {}),
             }
+            if mtp is not None or aside:
+                entry = {"dropped": False, **(mtp or {})}
+                if not entry["dropped"]:
+                    entry.update(shards=aside, tensors=sum(len(outs) for n, outs in plan if n in aside),
+                                 bytes=sum((out / n).stat().st_size for n in aside),
+                                 quantized=quantized(set(aside)))
+                manifest[MTP_KEY] = entry
             atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
             journal_path.unlink(missing_ok=True)
         except OSError as e:

@@ -7,9 +7,10 @@ and keeps them in the resume journal, so a resumed conversion does not hash agai
 
 * At open, every shard's header digest is checked (headers are small): an edited header is
   refused even where it stays self-consistent (two same-sized dtypes swapped, say).
-* ``verify`` re-hashes every whole shard; ``coli verify`` and the setup wizard's verify step use
-  it. The expert store does not hash the weights on the hot path (hashing runs at ~1-2 GB/s on
-  one core, slower than a decode step's reads): damage to the weight bytes is ``coli verify``'s.
+* ``verify`` re-hashes every whole shard (the MTP shards listed under ``"mtp"`` too); ``coli
+  verify`` and the setup wizard's verify step use it. The expert store does not hash the weights
+  on the hot path (hashing runs at ~1-2 GB/s on one core, slower than a decode step's reads):
+  damage to the weight bytes is ``coli verify``'s.
 
 Containers converted before checksums existed have none: they open as before (their headers and
 manifest are still validated) and ``verify`` says their checksums are unrecorded.
@@ -83,6 +84,11 @@ def verify(directory: str | Path, progress: Callable[[int, int, str], None] | No
     shards = manifest.get("shards") if isinstance(manifest, dict) else None
     if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
         raise ColiError(f"{d}: {MANIFEST} has no valid list of shards")
+    mtp = manifest.get("mtp")          # MTP layers set aside by the converter: checked the same
+    aside = mtp.get("shards", []) if isinstance(mtp, dict) else []
+    if not isinstance(aside, list) or not all(isinstance(s, str) for s in aside):
+        raise ColiError(f"{d}: {MANIFEST} has no valid list of MTP shards")
+    shards = shards + [s for s in aside if s not in shards]
     result = VerifyResult()
     if not isinstance(sums, dict) or not sums:
         result.unrecorded = True
