@@ -224,6 +224,12 @@ def _split_fused(sources: dict[str, _Source], config: dict, files_by_name) -> di
     """Replace each fused 3-D expert tensor by its per-expert slices (no bytes are read)."""
     H = config.get("hidden_size")
     E = _expert_count(config)
+    odd = next((n for n, s in sources.items() if len(s.shape) == 3 and ".experts." in n
+                and not _FUSED.match(n)), None)
+    if odd is not None:      # e.g. a `.weight`-suffixed fused tensor: no checkpoint we know has one
+        raise ColiError(f"{sources[odd].file.path.name}: 3-D expert tensor {odd} "
+                        f"{list(sources[odd].shape)} is in no layout colibrì knows (fused experts are "
+                        f"read as ...experts.gate_up_proj [E, 2I, H] and ...experts.down_proj [E, H, I])")
     out = {n: s for n, s in sources.items() if not _FUSED.match(n)}
     inter: dict[str, tuple[int, int, str]] = {}     # prefix -> (experts, intermediate, tensor)
     fused = [n for n in sources if _FUSED.match(n)]      # each prefix's gate_up_proj first

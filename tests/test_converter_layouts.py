@@ -198,6 +198,16 @@ def test_fused_tensor_with_a_wrong_shape_is_refused(tmp_path, capsys, name, shap
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def test_unknown_3d_expert_tensor_is_refused(tmp_path, capsys):
+    cfg = tiny_config()
+    tensors = fuse(tiny_tensors(cfg), cfg)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[name + ".weight"] = tensors.pop(name)
+    src = write_hf_model(tmp_path / "src", cfg, tensors)
+    line = one_error_line(capsys, ["convert", str(src), str(tmp_path / "out")])
+    assert f"3-D expert tensor {name}.weight [6, 48, 40] is in no layout" in line
+
+
 def test_fused_and_per_expert_copies_of_one_expert_are_refused(tmp_path, capsys):
     cfg = tiny_config()
     plain = tiny_tensors(cfg)
