@@ -62,6 +62,7 @@ class TierPanel(Vertical):
     TierPanel #speed { height: 3; }
     TierPanel #tier-stats { height: auto; }
     TierPanel #brain-legend { height: auto; }
+    TierPanel #brain-info { height: 2; color: $text-muted; }   /* fixed: the map's size never follows it */
     """
 
     def __init__(self, **kw):
@@ -79,11 +80,16 @@ class TierPanel(Vertical):
         yield Static(self._table(), id="tier-stats")
         yield Label("Brain map · layers × experts", classes="title", id="brain-title")
         yield BrainMap(id="brain")
+        yield Static("", id="brain-info", markup=False)
         yield Static(legend(), id="brain-legend")
 
     @property
     def brain(self) -> BrainMap:
         return self.query_one(BrainMap)
+
+    def on_brain_map_changed(self, event: BrainMap.Changed) -> None:
+        # the words under the map: the selected cell, or how many experts a cell holds
+        self.query_one("#brain-info", Static).update(Text(event.brain_map.info()))
 
     def set_model(self, layers: int, experts: int, ram_budget: int | None = None) -> None:
         self.brain.set_shape(layers, experts)

@@ -169,21 +169,24 @@ def test_history_survives_restart_and_prompt_is_kept_when_send_fails(container, 
     asyncio.run(no_model())
 
 
-def test_brain_map_bins_a_large_grid(dirs):
+def test_brain_map_aggregates_a_large_grid(dirs):
     from textual.app import App
 
-    from colibri_tui.brainmap import BrainMap, Grid, bins
+    from colibri_tui.brainmap import BrainMap, Grid, bins, group_size, zoom_levels
 
     b = bins(76, 40)
     assert len(b) == 40 and sum(map(len, b)) == 76 and max(map(len, b)) - min(map(len, b)) <= 1
-    assert sum(len(b) for b in bins(256, 36)) == 256 and len(bins(256, 36)) == 36
+    assert group_size(256, 38) == 7 and group_size(76, 36) == 3 and group_size(8, 41) == 1
+    assert zoom_levels(3, 7) == [(3, 7), (2, 4), (1, 2), (1, 1)] and zoom_levels(1, 1) == [(1, 1)]
     L, E = 76, 256
     placement = {l: {e: ("pinned" if e < 8 else "ram") for e in range(0, 64)} for l in range(L)}
     heat = {(l, e): (e * 7 + l) % 50 for l in range(L) for e in range(E)}
     routed = {l: [l % E, (l * 3) % E] for l in range(L)}
-    g = Grid(L, E, 40, 36, placement, heat, routed)
-    assert g.rows == 40 and g.cols == 36
+    g = Grid(L, E, 2, 7, placement, heat, routed)          # uniform cells of 2 layers × 7 experts
+    assert g.rows == 38 and g.cols == 37 and g.expert_range(36) == (252, 255) and g.layer_range(37) == (74, 75)
     assert g.tier[0][0] == "pinned" and g.tier[0][5] == "ram" and g.tier[0][30] == "disk"
+    assert g.counts[0][1] == [0, 12, 2, 0]                   # experts 7–13 of layers 0–1: 12 RAM, 2 pinned
+    assert g.heat_sum[0][0] == sum(heat[(l, e)] for l in (0, 1) for e in range(7))
     assert any(any(r) for r in g.flash)
 
     from colibri_tui.tierpanel import TierPanel
@@ -206,7 +209,9 @@ def test_brain_map_bins_a_large_grid(dirs):
             assert "RAM tier" in panel.plain() and "4.9 MB / 4.9 MB" in panel.plain()
             lines = [bm.render_line(y) for y in range(bm.size.height)]
             assert all(line.cell_length == bm.size.width for line in lines)
-            assert bm.grid().rows == min(L, 2 * bm.size.height) and bm.grid().cols == min(E, bm.size.width)
+            g = bm.grid()      # the whole model fits: every layer and expert in some cell
+            assert g.rows * g.lz >= L and g.rows <= 2 * bm.size.height
+            assert g.cols * g.ez >= E and bm.gutter_width() + g.cols <= bm.size.width
     asyncio.run(run())
 
 

@@ -89,6 +89,24 @@ def test_chat_empty_with_model(container, dirs, snap_compare):
     assert snap_compare(make_app(container), terminal_size=SIZE, run_before=run_before)
 
 
+def test_brain_map_glm5_120x40(container, dirs, snap_compare):
+    """The Brain map at GLM-5's size, 76 layers × 256 experts (a synthetic engine state, the
+    stats of a reply): every layer and expert fit the tier panel in aggregate cells (3 layers ×
+    7 experts each), one cell selected by a click and named under the map."""
+    from tests.test_app_brainmap import push_glm5
+
+    async def run_before(pilot):
+        app = pilot.app
+        await ready(pilot)
+        push_glm5(app.tier_panel)
+        await pilot.pause()
+        bm = app.tier_panel.brain
+        await pilot.click(bm, offset=(bm.gutter_width() + 18, 6))      # layers 36–38, experts 126–132
+        await steady(pilot)
+
+    assert snap_compare(make_app(container), terminal_size=SIZE, run_before=run_before)
+
+
 def seed_history(data_dir):
     """Two chats with fixed content and stats; the older one is opened from the chat list."""
     from colibri_tui.history import History
