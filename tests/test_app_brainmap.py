@@ -161,6 +161,8 @@ def test_glm5_fits_the_120x40_panel_in_aggregate_cells(container, dirs):
 
 
 def test_keyboard_cursor_names_the_cell_and_footer_shows_the_keys(container, dirs):
+    from colibri_tui.brainmap import span
+
     async def run():
         async with make_app(container).run_test(size=(120, 40)) as pilot:
             bm, state = await opened(pilot)
@@ -179,7 +181,8 @@ def test_keyboard_cursor_names_the_cell_and_footer_shows_the_keys(container, dir
             await pilot.press("end")
             g = bm.grid()
             assert bm.cursor == (g.rows - 1, g.cols - 1)
-            assert check_info(bm, state).startswith(f"layer{'s' if L - 1 > g.layer_range(g.rows - 1)[0] else ''}")
+            l0, l1 = g.layer_range(g.rows - 1)
+            assert l1 == L - 1 and check_info(bm, state).startswith(span(l0, l1, "layer", "layers") + " × ")
             await pilot.press("home")
             assert bm.cursor == (0, 0)
             # the footer lists the map's keys while it has the focus
@@ -326,5 +329,7 @@ def test_small_model_has_one_level_and_stretched_cells():
             await pilot.press("up", "left", "left", "left", "left")
             assert str(panel.query_one("#brain-info").render()) == "layer 1 × expert 3\ndisk · heat 0 · routed now"
             text = plain(bm)
-            assert [t[:2] for t in text[:6]] == ["0 ", "  ", "1 ", "  ", "2▸", "  "] or text[0].startswith("0")
+            # each layer is two character rows tall, numbered on its first; ▸ marks the cursor's
+            assert [t[:2] for t in text[:6]] == ["0 ", "  ", "1▸", " ▸", "2 ", "  "]
+            assert text[0][2:] == "▀" * 32 + " " * (bm.size.width - 34)
     asyncio.run(run())
