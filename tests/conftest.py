@@ -185,8 +185,47 @@ def tiny_model(tmp_path) -> Path:
 
 # --- oracle fixtures (tests/oracle) ------------------------------------------------------------
 
+# The fixtures the foundation was built on. They come first in oracle_names() (tests that take
+# "the first fixture" or the first two or three keep taking these), and tests/test_golden_bits.py
+# hashes exactly these, so adding fixtures never moves a recorded hash.
+FOUNDATION_FIXTURES = ("olmoe-a", "olmoe-b", "olmoe-c", "olmoe-d", "olmoe-e",
+                       "qwen3moe-a", "qwen3moe-b", "qwen3moe-c", "qwen3moe-d", "qwen3moe-e")
+
+
+def _fixture_model_type(name: str):
+    try:
+        return json.loads((COMMITTED / name / "model" / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def _all_oracle_names() -> list[str]:
+    names = [p.name for p in COMMITTED.iterdir() if (p / "reference.npz").exists()]
+    return sorted(names, key=lambda n: (n not in FOUNDATION_FIXTURES, n))
+
+
+def oracle_pending() -> dict[str, str]:
+    """Committed fixtures of a model_type the engine does not support yet -> why they are left out."""
+    from models.registry import supported_types
+    ok = set(supported_types())
+    return {n: f"model_type {_fixture_model_type(n)!r} is not supported by the engine yet"
+            for n in _all_oracle_names() if _fixture_model_type(n) not in ok}
+
+
 def oracle_names():
-    return sorted(p.name for p in COMMITTED.iterdir() if (p / "reference.npz").exists())
+    """The committed fixtures whose model_type the engine supports (models.registry.supported_types()):
+    FOUNDATION_FIXTURES first, then the rest by name. A fixture of a family not yet registered is
+    left out (pytest's header lists it) and joins every oracle test once its family lands."""
+    pending = oracle_pending()
+    return [n for n in _all_oracle_names() if n not in pending]
+
+
+def pytest_report_header(config):
+    pending = oracle_pending()
+    if pending:
+        return ["oracle fixtures skipped (family not supported yet): "
+                + ", ".join(f"{n} ({_fixture_model_type(n)})" for n in pending)]
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Build tiny random OLMoE / Qwen3-MoE models with transformers and store reference outputs.
+"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA models with transformers
+and store reference outputs.
 
 Run from the repository root:
 
@@ -66,6 +67,19 @@ def _rope(theta: float) -> dict:
 #                                                             I 88), tied embeddings
 #   olmoe-e     H64  nh4 nkv2 (GQA)  I30  E6  k3 norm_topk=F  llama3 RoPE scaling
 #   qwen3moe-e  H64  nh4 nkv2 (GQA)  I34  E6  k2 norm_topk=T  sliding window 7, yarn RoPE scaling
+# Sigmoid-group routers (+ random e_score_correction_bias), shared experts, dense first layers:
+#   glm4moe-a    H32 nh4 nkv2 hd12  I9  E8 k3 groups 4/2 x1.7 norm=T shared 1, 3 layers (L0 dense),
+#                q/k/v bias, qk-norm, partial rope 0.5, sharded
+#   glm4moe-b    H32 nh4 nkv2 hd16  I11 E6 k2 no groups x2.5 norm=F shared 2, 2 layers (no dense),
+#                q/k/v bias, no qk-norm, partial rope 0.25, tied, hub-style config.json
+#   deepseekv3-a MLA q-LoRA 28, kv 24, rope 8 + nope 16, v 16; E8 k2 groups 4/2 x2.5 norm=T, L0 dense,
+#                yarn x4 mscale = mscale_all_dim = 1, hub-style config.json (rope_scaling type yarn)
+#   deepseekv3-b MLA plain q_proj, kv 32, rope 8 + nope 12, v 10; E6 k3 x1.5 norm=F shared 2, L0 dense,
+#                yarn x8 mscale 0.9 / mscale_all_dim 0.7 (cos/sin scaled too), tied
+#   glmdsa-a     MLA q-LoRA 24 + DSA indexer top-5, 8 heads x 16; indexer_types full/shared/full,
+#                explicit mlp_layer_types; E8 k2 groups 2/1, sharded
+#   glmdsa-b     MLA q-LoRA 20 + DSA indexer top-9, 10 heads x 12; index_topk_pattern "FFS" only
+#                (hub-style config.json); E6 k2 x1.8 norm=F shared 2
 CONFIGS: list[dict] = [
     dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
         vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
@@ -118,7 +132,66 @@ CONFIGS: list[dict] = [
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 16})),
+    # --- sigmoid-group routers with a bias, shared experts, dense first layers (issue 17) ------
+    dict(name="glm4moe-a", family="glm4_moe", shard=True, shard_size="60KB", cfg=dict(
+        vocab_size=301, hidden_size=32, intermediate_size=29, moe_intermediate_size=9,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, routed_scaling_factor=1.7, norm_topk_prob=True,
+        n_shared_experts=1, first_k_dense_replace=1, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5})),
+    dict(name="glm4moe-b", family="glm4_moe", shard=False, hub_style=True, cfg=dict(
+        vocab_size=331, hidden_size=32, intermediate_size=50, moe_intermediate_size=11,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=True, use_qk_norm=False, n_routed_experts=6, num_experts_per_tok=2,
+        n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=False,
+        n_shared_experts=2, first_k_dense_replace=0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                         "partial_rotary_factor": 0.25})),
+    dict(name="deepseekv3-a", family="deepseek_v3", shard=False, hub_style=True, cfg=dict(
+        vocab_size=313, hidden_size=32, intermediate_size=31, moe_intermediate_size=9,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=28,
+        kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+        first_k_dense_replace=1, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0})),
+    dict(name="deepseekv3-b", family="deepseek_v3", shard=False, cfg=dict(
+        vocab_size=307, hidden_size=32, intermediate_size=27, moe_intermediate_size=11,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+        n_routed_experts=6, num_experts_per_tok=3, n_group=1, topk_group=1,
+        routed_scaling_factor=1.5, norm_topk_prob=False, n_shared_experts=2,
+        first_k_dense_replace=1, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 16, "mscale": 0.9,
+                         "mscale_all_dim": 0.7})),
+    dict(name="glmdsa-a", family="glm_moe_dsa", shard=True, shard_size="60KB", cfg=dict(
+        vocab_size=311, hidden_size=32, intermediate_size=29, moe_intermediate_size=7,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        index_topk=5, index_n_heads=8, index_head_dim=16,
+        indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"],
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    dict(name="glmdsa-b", family="glm_moe_dsa", shard=False, hub_style=True, cfg=dict(
+        vocab_size=317, hidden_size=32, intermediate_size=27, moe_intermediate_size=9,
+        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=20,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=14,
+        index_topk=9, index_n_heads=10, index_head_dim=12, index_topk_pattern="FFS",
+        first_k_dense_replace=1, n_routed_experts=6, num_experts_per_tok=2, n_group=1,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=False, n_shared_experts=2,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
 ]
+# The families whose routers are sigmoid + e_score_correction_bias (set at random in _reinit).
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm_moe_dsa")
+BIAS_STD = 0.1         # std of e_score_correction_bias; sigmoid scores live in (0, 1)
+DSA_RETRIES = 20       # fresh weights while the indexer meets a (near) tie at its top-k boundary
+DSA_MIN_GAP = 1e-5     # ... i.e. a k-th minus (k+1)-th visible index score below this
 
 _COMMON = dict(max_position_embeddings=128, bos_token_id=0, eos_token_id=2, pad_token_id=1,
                hidden_act="silu")
@@ -131,6 +204,15 @@ def _classes(family: str):
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         return Qwen3MoeConfig, Qwen3MoeForCausalLM
+    if family == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        return Glm4MoeConfig, Glm4MoeForCausalLM
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        return DeepseekV3Config, DeepseekV3ForCausalLM
+    if family == "glm_moe_dsa":
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+        return GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     raise ValueError(family)
 
 
@@ -141,17 +223,43 @@ def _hub_style_config(model_dir: str) -> None:
     Qwen3-MoE, ``num_local_experts``; published OLMoE / Qwen3-MoE checkpoints have top-level
     ``rope_theta`` + ``rope_scaling: null``, ``torch_dtype`` and ``num_experts`` (Qwen3-MoE also
     ``max_window_layers``, unused by the modeling code). transformers reads both; so must an engine.
+    GLM-4-MoE adds a top-level ``partial_rotary_factor``; DeepSeek-V3 spells yarn as
+    ``rope_scaling: {"type": "yarn", ...}``; GLM-MoE-DSA keeps only ``index_topk_pattern``.
     """
     path = os.path.join(model_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)
     rope = cfg.pop("rope_parameters")
+    model_type = cfg["model_type"]
+    if model_type == "glm4_moe":
+        # GLM-4.5/4.6/4.7: top-level partial_rotary_factor next to rope_theta
+        assert rope.get("rope_type", "default") == "default"
+        assert set(rope) <= {"rope_type", "rope_theta", "partial_rotary_factor"}
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor", 0.5)
+    elif model_type == "deepseek_v3":
+        # DeepSeek-V3 / Kimi-K2: rope_scaling {"type": "yarn", factor, mscale, ...}; no derived
+        # head_dim / qk_head_dim (transformers computes them from qk_rope/qk_nope_head_dim)
+        theta = rope.pop("rope_theta")
+        rope_type = rope.pop("rope_type")
+        assert rope_type == "yarn", rope_type
+        cfg["rope_theta"] = theta
+        cfg["rope_scaling"] = dict(sorted({**rope, "type": rope_type}.items()))
+        for derived in ("head_dim", "qk_head_dim"):
+            cfg.pop(derived)
+        rope = {"rope_theta": theta}
+    elif model_type == "glm_moe_dsa":
+        # only index_topk_pattern ("FFS") says which layers run the indexer; the derived
+        # per-layer lists and head dims are left for the reader to compute
+        assert isinstance(cfg.get("index_topk_pattern"), str)
+        for derived in ("indexer_types", "mlp_layer_types", "layer_types", "head_dim", "qk_head_dim"):
+            cfg.pop(derived)
     assert rope.get("rope_type", "default") == "default" and set(rope) <= {"rope_type", "rope_theta"}
     cfg["rope_theta"] = rope["rope_theta"]
-    cfg["rope_scaling"] = None
+    if model_type != "deepseek_v3":
+        cfg["rope_scaling"] = None
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
-    if cfg["model_type"] == "qwen3_moe":
+    if model_type == "qwen3_moe":
         cfg["num_experts"] = cfg.pop("num_local_experts")
         cfg["max_window_layers"] = cfg["num_hidden_layers"]
     with open(path, "w") as f:
@@ -172,7 +280,8 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
     Embeddings are N(0, 1) untied. Tied models use embeddings N(0, 4/sqrt(H)) (logit std ~4) and
     gain 2 for o/down: with the small embedding and gain 1 the residual stream stays dominated by
     the input token's own embedding and the tied head mostly predicts the input token again.
-    Norm weights are 1 + N(0, 0.1), biases N(0, 0.2).
+    Norm weights are 1 + N(0, 0.1), biases N(0, 0.2) (LayerNorm biases N(0, 0.1));
+    sigmoid routers' e_score_correction_bias buffers N(0, BIAS_STD), drawn after all parameters.
     (Plain N(0, 0.5) everywhere blows activations up by sqrt(fan_in) per matmul; HF's own init
     (std 0.02) gives near-uniform logits and routing.)
     """
@@ -186,7 +295,9 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
             leaf = name.rsplit(".", 1)[-1]
             parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
             fan_in = p.shape[-1]
-            if "norm" in parent:
+            if "norm" in parent and leaf == "bias":  # the DSA indexer's k_norm (a LayerNorm)
+                p.copy_(normal(p.shape, 0.1))
+            elif "norm" in parent:
                 p.copy_(normal(p.shape, 0.1, 1.0))
             elif leaf == "bias":
                 p.copy_(normal(p.shape, 0.2))
@@ -202,6 +313,10 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(normal(p.shape, 1.0 / fan_in ** 0.5))
             else:
                 raise RuntimeError(f"unhandled parameter {name} {tuple(p.shape)}")
+        # sigmoid routers: e_score_correction_bias is a (saved) buffer, zeros after construction
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(normal(b.shape, BIAS_STD))
 
 
 def _read_saved(model_dir: str) -> dict[str, np.ndarray]:
@@ -268,15 +383,21 @@ def _greedy(model, prompt: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.no_grad()
-def _router_logits(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(moe layer indices, router logits [n_moe, T, E]) captured with forward hooks on mlp.gate."""
+def _router_logits(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """(moe layer indices, router logits [n_moe, T, E], chosen experts per layer [T, k]) captured
+    with forward hooks on mlp.gate. Every router here returns (logits, weights, indices)."""
     captured: dict[int, torch.Tensor] = {}
+    chosen: dict[int, torch.Tensor] = {}
+
+    def hook(li, out):
+        captured[li] = out[0].detach().clone()
+        if isinstance(out, tuple) and len(out) == 3:
+            chosen[li] = out[2].detach().clone()
     hooks = []
     for li, layer in enumerate(model.model.layers):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and not isinstance(gate, torch.nn.Linear):  # router, not dense gate_proj
-            hooks.append(gate.register_forward_hook(
-                lambda _m, _i, out, li=li: captured.__setitem__(li, out[0].detach().clone())))
+            hooks.append(gate.register_forward_hook(lambda _m, _i, out, li=li: hook(li, out)))
     try:
         model(input_ids=torch.from_numpy(ids)[None], use_cache=False)
     finally:
@@ -284,20 +405,113 @@ def _router_logits(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             h.remove()
     layers = sorted(captured)
     if not layers:
-        return np.zeros(0, np.int64), np.zeros((0, len(ids), 0), np.float32)
-    return np.asarray(layers, np.int64), np.stack([captured[i].float().numpy() for i in layers])
+        return np.zeros(0, np.int64), np.zeros((0, len(ids), 0), np.float32), []
+    return (np.asarray(layers, np.int64), np.stack([captured[i].float().numpy() for i in layers]),
+            [chosen[i].numpy() for i in layers if i in chosen])
 
 
 def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
+class _IndexerWatch:
+    """Forward hooks on every DSA indexer (while active): recompute its index scores and record,
+    per query row with more visible positions than ``index_topk``, the gap between the k-th and
+    (k+1)-th visible score. A gap of 0 is a tie at the boundary: which position attention sees
+    then depends on torch's topk, and an engine that breaks ties by (score desc, lower index
+    first) may pick the other one."""
+
+    def __init__(self):
+        self.gaps: dict[str, list[float]] = {}
+        self.zero_frac: list[float] = []
+        self.phase = ""
+        self._hooks = []
+
+    def watch(self, model, phase: str):
+        self.phase = phase
+        for mod in model.modules():
+            if type(mod).__name__.endswith("DsaIndexer"):
+                self._hooks.append(mod.register_forward_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @torch.no_grad()
+    def _hook(self, mod, args, kwargs, out):
+        hidden, q_resid, (cos, sin) = args[:3]
+        rope_fn = sys.modules[type(mod).__module__].apply_rotary_pos_emb_interleave
+        b, s, _ = hidden.shape
+        q = mod.wq_b(q_resid).view(b, s, mod.n_heads, mod.head_dim)
+        q_rot, q_pass = torch.split(q, [mod.qk_rope_head_dim, mod.head_dim - mod.qk_rope_head_dim], dim=-1)
+        k = mod.k_norm(mod.wk(hidden)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [mod.qk_rope_head_dim, mod.head_dim - mod.qk_rope_head_dim], dim=-1)
+        q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        scores = torch.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * mod.softmax_scale)
+        weights = mod.weights_proj(hidden.to(mod.weights_proj.weight.dtype)).float() * (mod.n_heads ** -0.5)
+        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)[0]     # [S, T], no cache: T == S
+        kk = mod.index_topk
+        sel = out[0].long()
+        gaps = self.gaps.setdefault(self.phase, [])
+        for t in range(s):
+            vis = index[t, : t + 1]
+            self.zero_frac.append(float((vis == 0).float().mean()))
+            if t + 1 <= kk:
+                continue
+            v, order = torch.sort(vis, descending=True, stable=True)
+            gap = float(v[kk - 1] - v[kk])
+            gaps.append(gap)
+            if gap > 1e-6 and set(order[:kk].tolist()) != set(sel[t].tolist()):
+                raise AssertionError(f"indexer recomputation disagrees with transformers at row {t}")
+
+    def summary(self) -> dict:
+        return {"dsa_min_boundary_gap": {p: min(g) for p, g in sorted(self.gaps.items())},
+                "dsa_boundary_ties": sum(1 for g in self.gaps.values() for x in g if x == 0.0),
+                "dsa_boundary_rows": sum(len(g) for g in self.gaps.values()),
+                "dsa_exact_zero_score_frac": float(np.mean(self.zero_frac))}
+
+
+def _derived(model) -> dict:
+    """What transformers derived from the config (for the new families' meta.json)."""
+    cfg = model.config
+    attn = model.model.layers[0].self_attn
+    rot = model.model.rotary_emb
+    out = {"softmax_scale": float(attn.scaling), "rope_dims": int(2 * rot.inv_freq.numel()),
+           "rope_attention_scaling": float(rot.attention_scaling),
+           "rope_inv_freq": [float(x) for x in rot.inv_freq],
+           "dense_layers": [i for i, L in enumerate(model.model.layers) if not hasattr(L.mlp, "gate")]}
+    for key in ("head_dim", "qk_head_dim", "indexer_types", "mlp_layer_types", "first_k_dense_replace",
+                "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "n_shared_experts"):
+        if hasattr(cfg, key):
+            out[key] = getattr(cfg, key)
+    return out
+
+
 def build_one(spec: dict, out_root: str, seed: int) -> dict:
+    """Build one fixture. DSA families are rebuilt with fresh weights (``attempt`` 1, 2, ...)
+    while any indexer pass meets a tie (gap < DSA_MIN_GAP) at its top-k boundary."""
+    tries = DSA_RETRIES if spec["family"] == "glm_moe_dsa" else 1
+    for attempt in range(tries):
+        meta = _build_attempt(spec, out_root, seed, attempt)
+        gaps = meta["stats"].get("dsa_min_boundary_gap", {})
+        if not gaps or min(gaps.values()) >= DSA_MIN_GAP:
+            return meta
+    raise AssertionError(f"{spec['name']}: indexer ties at the top-k boundary in {tries} attempts")
+
+
+def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
     t0 = time.time()
     name, family = spec["name"], spec["family"]
     config_cls, model_cls = _classes(family)
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    gen = torch.Generator().manual_seed(_seed_for(seed, name if attempt == 0 else f"{name}#{attempt}"))
     config = config_cls(**{**_COMMON, **spec["cfg"]})
     model = model_cls._from_config(config, **_load_kwargs()).eval()
     _reinit(model, gen)
@@ -309,7 +523,7 @@ def build_one(spec: dict, out_root: str, seed: int) -> dict:
     os.makedirs(model_dir)
     save_kw = {"safe_serialization": True}
     if spec["shard"]:
-        save_kw["max_shard_size"] = "400KB"
+        save_kw["max_shard_size"] = spec.get("shard_size", "400KB")
     model.save_pretrained(model_dir, **save_kw)
     if spec.get("hub_style"):
         _hub_style_config(model_dir)
@@ -320,22 +534,28 @@ def build_one(spec: dict, out_root: str, seed: int) -> dict:
 
     vocab = config.vocab_size
     ids = torch.randint(0, vocab, (N_IDS,), generator=gen, dtype=torch.int64).numpy()
+    dsa = _IndexerWatch()
 
     # The reference is what the engine will read: the saved checkpoint loaded back.
     orig = model_cls.from_pretrained(model_dir, **_load_kwargs()).eval()
     logits_mem = _logits(model, ids)
-    logits_orig = _logits(orig, ids)
+    with dsa.watch(orig, "orig"):
+        logits_orig = _logits(orig, ids)
     if not np.allclose(logits_mem, logits_orig, atol=1e-5, rtol=1e-5):
         raise AssertionError(f"{name}: save/load (or the hub-style config.json) changed the logits")
-    greedy_orig, gap_orig = _greedy(orig, ids[:N_PROMPT], N_GREEDY)
-    moe_layers, router = _router_logits(orig, ids)
+    with dsa.watch(orig, "greedy_orig"):
+        greedy_orig, gap_orig = _greedy(orig, ids[:N_PROMPT], N_GREEDY)
+    moe_layers, router, chosen = _router_logits(orig, ids)
 
     with tempfile.TemporaryDirectory() as work:
         q4, saved = _quantized_model(model_dir, work, 4, model_cls)
-        logits_q4 = _logits(q4, ids)
-        greedy_q4, gap_q4 = _greedy(q4, ids[:N_PROMPT], N_GREEDY)
+        with dsa.watch(q4, "q4"):
+            logits_q4 = _logits(q4, ids)
+        with dsa.watch(q4, "greedy_q4"):
+            greedy_q4, gap_q4 = _greedy(q4, ids[:N_PROMPT], N_GREEDY)
         q8, _ = _quantized_model(model_dir, work, 8, model_cls)
-        logits_q8 = _logits(q8, ids)
+        with dsa.watch(q8, "q8"):
+            logits_q8 = _logits(q8, ids)
 
     np.savez_compressed(
         os.path.join(target, "reference.npz"),
@@ -376,6 +596,20 @@ def build_one(spec: dict, out_root: str, seed: int) -> dict:
     meta = {"name": name, "family": family, "model_type": config.model_type,
             "seed": seed, "sharded": spec["shard"], "hub_style_config": bool(spec.get("hub_style")),
             "config": spec["cfg"], "stats": stats}
+    if family in SIGMOID_ROUTED:
+        # what the router really chose (sigmoid + bias, groups), not the raw-logit ranking above
+        stats["experts_used_per_moe_layer"] = [int(len(np.unique(c))) for c in chosen]
+        stats["unique_chosen_sets_per_moe_layer"] = [
+            int(len(np.unique(np.sort(c, axis=1), axis=0))) for c in chosen]
+        stats["chosen_differs_from_logit_topk_frac"] = [
+            float(np.mean([set(a) != set(b) for a, b in zip(c, np.argsort(-r, axis=-1)[:, :k])]))
+            for c, r in zip(chosen, router)]
+        stats["e_score_correction_bias_saved"] = sorted(
+            n for n in saved if n.endswith("e_score_correction_bias"))
+        meta["attempt"] = attempt
+        meta["derived"] = _derived(orig)
+    if family == "glm_moe_dsa":
+        stats.update(dsa.summary())
     with open(os.path.join(target, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")
