@@ -106,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out the multi-token-prediction (MTP) layers; by default they are kept "
                         "in mtp-* shards of their own, which the engine does not load")
 
+    p = sub.add_parser("import-colibri", help="import a container of colibrì's C engine (out-NNNNN "
+                       "shards, e.g. its GLM-5.x int4-g64) without requantizing",
+                       description="Copy a directory written by colibrì's C engine (out-NNNNN, "
+                       "out-mtp-*, out-idx-* safetensors of flattened U8 + F32 .qs tensors, no "
+                       "manifest) into a container: shapes from config.json, each tensor's scheme "
+                       "from its byte counts, int4/int8 bytes and scales copied bit for bit, experts "
+                       "laid contiguous, checksums recorded, the MTP head set aside in mtp-* shards. "
+                       "Resumable: rerun the same command after an interruption.")
+    p.add_argument("src", metavar="SRC", help="the C engine's model directory (out-*.safetensors, "
+                                              "out-mtp-*, out-idx-*, config.json)")
+    p.add_argument("out", metavar="OUT", help="output container directory")
+    p.add_argument("--group-size", type=int, default=64,
+                   help="the source's int4 group size (default 64); the bytes are copied as they are")
+
     p = sub.add_parser("download", help="download a Hugging Face model (resumable)")
     p.add_argument("repo", metavar="REPO", help="Hugging Face repo id, e.g. allenai/OLMoE-1B-7B-0924")
     p.add_argument("--dir", metavar="DIR", default=None, help="where to put it (default: ./REPO-NAME); "
@@ -226,6 +240,10 @@ def cmd_convert(args) -> int:
     from .cli_models import remember
 
     args.src = _convert_source(args.src)
+    from core.import_colibri import is_colibri_dir
+    if is_colibri_dir(args.src):
+        raise ColiError(f"{args.src} is a container of colibrì's C engine (out-NNNNN shards); import "
+                        f"it without requantizing: coli import-colibri {args.src} {args.out}")
 
     with _progress_bar("converting", lambda p: (p.done_bytes, p.total_bytes,
                                                 f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")) as progress:
@@ -242,6 +260,21 @@ def cmd_convert(args) -> int:
         from .cli_models import dir_size
         print(f"{args.src} ({dir_size(Path(args.src)) / 1e9:.2f} GB) is not needed to run {out}; "
               f"delete it to free the space", file=sys.stderr)
+    return 0
+
+
+def cmd_import_colibri(args) -> int:
+    from core.import_colibri import import_colibri
+    from models import validate_config
+    from .cli_models import remember
+    with _progress_bar("importing", lambda p: (p.done_bytes, p.total_bytes,
+                                               f"{p.shard} ({p.shard_index + 1}/{p.shard_count})")) as progress:
+        out = import_colibri(args.src, args.out, group_size=args.group_size,
+                             validate_config=validate_config, progress=progress)
+    size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+    remember(out)
+    print(f"imported {args.src} -> {out} ({size / 1e6:.1f} MB, bytes copied, nothing requantized)",
+          file=sys.stderr)
     return 0
 
 
@@ -456,7 +489,7 @@ def _cmd_completion(args) -> int:
     return 0
 
 
-COMMANDS = {"download": cmd_download, "convert": cmd_convert, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
+COMMANDS = {"download": cmd_download, "convert": cmd_convert, "import-colibri": cmd_import_colibri, "run": cmd_run, "logits": cmd_logits, "info": cmd_info,
             "plan": cmd_plan, "verify": cmd_verify, "replay": _cmd_replay, "chat": _cmd_chat, "list": _cmd_list, "rm": _cmd_rm,
             "completion": _cmd_completion, "serve": _cmd_serve}
 

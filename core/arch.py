@@ -13,6 +13,7 @@ from .errors import ColiError
 KV_CACHES = ("float32", "float16")
 MAX_LAYERS = 100_000      # far past any model; a corrupt count must not size per-layer lists
 MAX_WIDTH = 1 << 20       # hidden_size, head_dim, heads: likewise
+MAX_EXPERTS = 1 << 16     # per layer (the largest real models route over 384): the layout lists each
 
 
 @dataclass
@@ -32,13 +33,39 @@ class ArchSpec:
     clip_qkv: float | None = None
     sliding_windows: list[int | None] = field(default_factory=list)   # per layer; None = full causal
     cache_kinds: list = field(default_factory=list)     # per layer: what it keeps (core.cache_kinds)
-
-    def __post_init__(self):
-        if not self.cache_kinds:            # full attention everywhere unless the family says
-            self.cache_kinds = [KV(self.num_kv_heads, self.head_dim)] * self.num_layers
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 0
+    # per layer, the blocks it is composed of (core.blocks.layer.Layer): the family's declaration,
+    # from which the engine loads it and the layout check, synthetic checkpoints and estimates
+    # take its tensors. Empty: GQA + SwiGLU / softmax-routed MoE from the fields above.
+    layers: list = field(default_factory=list)
+    attention_bias: bool = False        # the config's: q/k/v/o biases (optional in checks)
+    rope_dim: int = 0                   # dims the RoPE table covers; 0 = head_dim
+    rope_partial: bool = False          # the table covers partial_rotary_factor x head_dim
+    dense_intermediate: int | None = None    # the default composition's MLP sizes (None: the
+    expert_intermediate: int | None = None   #   tensors say, consistently)
+
+    def __post_init__(self):
+        if not self.cache_kinds:            # full attention everywhere unless the family says
+            self.cache_kinds = ([l.cache_kind() for l in self.layers] if self.layers else
+                                [KV(self.num_kv_heads, self.head_dim)] * self.num_layers)
+
+    def layer_plan(self) -> list:
+        """The declared layers (core.blocks.layer.Layer), one per decoder layer."""
+        if self.layers:
+            return self.layers
+        from .blocks.attention import GQA          # numpy-free callers never get here
+        from .blocks.layer import Layer
+        from .blocks.mlp import MoE, SwiGLU
+        from .blocks.routers import SoftmaxRouter
+        H = self.hidden_size
+        windows = self.sliding_windows or [None] * self.num_layers
+        return [Layer(GQA(H, self.num_heads, self.num_kv_heads, self.head_dim, self.qk_norm, self.clip_qkv,
+                          windows[i], bias=self.attention_bias),
+                      MoE(H, self.num_experts, SoftmaxRouter(self.top_k, self.norm_topk_prob), self.expert_intermediate)
+                      if self.mlp_kinds[i] == "moe" else SwiGLU(H, self.dense_intermediate))
+                for i in range(self.num_layers)]
 
 
 class ConfigReader:
@@ -131,6 +158,8 @@ def common_spec(r: ConfigReader, generation_config: dict | None, **kw) -> ArchSp
         if value > most:     # sizes tables (RoPE, norms) before any weight is read: refuse first
             raise ColiError(f"{r.model_type} config: {name} ({value}) is implausibly large")
     top_k, experts = r.int("num_experts_per_tok"), r.int("num_experts")
+    if experts > MAX_EXPERTS:
+        raise ColiError(f"{r.model_type} config: num_experts ({experts}) is implausibly large")
     if experts and not 0 < top_k <= experts:
         raise ColiError(f"{r.model_type} config: num_experts_per_tok ({top_k}) must be in 1..{experts}")
     layers = r.int("num_hidden_layers")
@@ -141,6 +170,7 @@ def common_spec(r: ConfigReader, generation_config: dict | None, **kw) -> ArchSp
                 rms_norm_eps=r.number("rms_norm_eps"), num_experts=experts, top_k=top_k,
                 norm_topk_prob=r.flag("norm_topk_prob"),
                 tie_word_embeddings=r.flag("tie_word_embeddings"),
+                attention_bias=r.flag("attention_bias"),
                 eos_token_ids=eos_ids(r.config, generation_config),
                 max_position_embeddings=r.positive_int("max_position_embeddings", optional=True) or 0,
                 mlp_kinds=["moe"] * layers, sliding_windows=[None] * layers, qk_norm="none")

@@ -17,25 +17,65 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
-@dataclass(frozen=True)
-class KV:
-    """Full attention's keys and values: ``num_kv_heads`` x ``head_dim`` each, per position."""
-    num_kv_heads: int
-    head_dim: int
-    name = "kv"
+class _Growing:
+    """A kind whose arrays grow by one row per position: ``parts()`` names them, each
+    [lead, positions, width] (head-major: one head's positions contiguous, as attention reads them)."""
+
+    def parts(self) -> dict[str, tuple[int, int]]:
+        raise NotImplementedError
 
     def bytes_per_position(self, dtype: str = "float32") -> int:
-        return 2 * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+        return sum(lead * width for lead, width in self.parts().values()) * _itemsize(dtype)
 
     def fixed_bytes(self, dtype: str = "float32") -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class KV(_Growing):
+    """Full attention's keys and values: ``num_kv_heads`` x ``head_dim`` each, per position."""
+    num_kv_heads: int
+    head_dim: int
+    name = "kv"
+
+    def parts(self):
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+
+@dataclass(frozen=True)
+class Latent(_Growing):
+    """Multi-head latent attention (DeepSeek-V3, GLM-5): the compressed latent (``rank`` values,
+    normed) and the shared RoPE key (``rope`` values) per position, one row of rank + rope that
+    decode attends over as one key/value head (the absorbed form) -- 576 values for GLM-5 where
+    expanded keys and values would take 64 x (256 + 256)."""
+    rank: int
+    rope: int
+    name = "latent"
+
+    def parts(self):
+        return {"latent": (1, self.rank + self.rope)}
+
+
+@dataclass(frozen=True)
+class IndexKeys(_Growing):
+    """A sparse-attention indexer's key per position (GLM-5's DSA: ``dim`` values)."""
+    dim: int
+    name = "index_keys"
+
+    def parts(self):
+        return {"index": (1, self.dim)}
+
+
+def layer_kinds(entry) -> tuple:
+    """A layer's entry in ArchSpec.cache_kinds: one kind, or a tuple of kinds (MLA + index keys)."""
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
 def bytes_per_position(kinds, dtype: str = "float32") -> int:
     """Bytes one more position of context costs, over every layer."""
-    return sum(k.bytes_per_position(dtype) for k in kinds)
+    return sum(k.bytes_per_position(dtype) for e in kinds for k in layer_kinds(e))
 
 
 def fixed_bytes(kinds, dtype: str = "float32") -> int:
     """Bytes the caches take whatever the context (recurrent state and the like)."""
-    return sum(k.fixed_bytes(dtype) for k in kinds)
+    return sum(k.fixed_bytes(dtype) for e in kinds for k in layer_kinds(e))

@@ -1,9 +1,10 @@
-"""The family-agnostic MoE decoder: attention with a KV cache, a softmax top-k router, SwiGLU
-experts served by an expert store, and the generation loop.
+"""The family-agnostic MoE decoder: the forward driver (embedding, the layers the family composed
+from ``core.blocks``, final norm and head), the per-layer caches, lookahead prefetch, and the
+generation loop. No tensor names beyond the embedding/head, no attention or router math: those
+are the blocks'.
 
 All activations are float32. Weights come from the container as dense float32 or int4/int8
-(computed by ``core.kernels``). The families only fill in an ``ArchSpec``; tensor names follow the
-Hugging Face convention shared by the supported families.
+(computed by ``core.kernels``).
 """
 from __future__ import annotations
 
@@ -15,24 +16,19 @@ import numpy as np
 
 from . import kernels
 from .arch import ArchSpec
-from .blocks.routers import SoftmaxTopK
-from .cache_kinds import KV
-from .container import Container, Weight
+from .cache_kinds import layer_kinds
+from .container import Container
 from .errors import ColiError
 from .events import Done, Stats, Token
 from .memory import lazy_array, peak_rss_bytes
 from .planner import kv_reserved_positions
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
-from .store import ExpertFFN, ExpertStore
+from .blocks.mlp import expert_ffn  # noqa: F401  (re-exported: tools and tests use it)
+from .store import ExpertStore
 
 
 rms_norm = kernels.rms_norm
-
-
-def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
-    return kernels.matmul(kernels.silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up),
-                          ffn.down)
 
 
 class KVCache:
@@ -52,87 +48,68 @@ class KVCache:
     the memory and the reads of attention; keys and values rounded to half precision, so outputs
     change slightly -- see README)."""
 
-    def __init__(self, spec: ArchSpec, recycled: tuple[list, list] | None = None, dtype=np.float32):
+    def __init__(self, spec: ArchSpec, recycled: list[dict] | None = None, dtype=np.float32):
         self.dtype = np.dtype(dtype)
-        if recycled is not None and recycled[0][0].dtype == self.dtype:
-            self.k, self.v = list(recycled[0]), list(recycled[1])
+        if recycled is not None and next(iter(recycled[0].values())).dtype == self.dtype:
+            self.arrays = [dict(parts) for parts in recycled]
         else:
-            for i, kind in enumerate(spec.cache_kinds):
-                if not isinstance(kind, KV):
-                    raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
-            self.k = [np.empty((kind.num_kv_heads, 0, kind.head_dim), self.dtype) for kind in spec.cache_kinds]
-            self.v = [np.empty((kind.num_kv_heads, 0, kind.head_dim), self.dtype) for kind in spec.cache_kinds]
+            # per layer, the arrays its cache kinds name (core.cache_kinds): k / v for KV, the
+            # latent for MLA, index keys for a sparse-attention indexer; each [lead, positions, width]
+            self.arrays = []
+            for i, entry in enumerate(spec.cache_kinds):
+                parts = {}
+                for kind in layer_kinds(entry):
+                    if not hasattr(kind, "parts"):
+                        raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
+                    for name, (lead, width) in kind.parts().items():
+                        parts[name] = np.empty((lead, 0, width), self.dtype)
+                self.arrays.append(parts)
+        self._views()
         self.length = 0     # positions committed (all layers)
         self.reserve = kv_reserved_positions(spec)
 
-    def buffers(self) -> tuple[list, list]:
-        return self.k, self.v
+    def _views(self) -> None:
+        # attention's keys and values per layer (None where a layer keeps no KV): the compiled
+        # decode block writes into these
+        self.k = [parts.get("k") for parts in self.arrays]
+        self.v = [parts.get("v") for parts in self.arrays]
+
+    def buffers(self) -> list[dict]:
+        return self.arrays
+
+    def capacity(self) -> int:
+        """Positions every layer has room for without growing."""
+        return min((a.shape[1] for parts in self.arrays for a in parts.values()), default=0)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
         [kv_heads, length+T, D] over [0, length+T)."""
-        n = self.length + k.shape[0]
+        return self.append_part(layer, "k", k), self.append_part(layer, "v", v)
+
+    def append_part(self, layer: int, name: str, x: np.ndarray) -> np.ndarray:
+        """Store x [T, lead, width] in one of a layer's arrays for positions [length, length+T)
+        and return the view [lead, length+T, width] over [0, length+T)."""
+        n = self.length + x.shape[0]
         self.ensure(layer, n)
-        self.k[layer][:, self.length: n] = k.transpose(1, 0, 2)
-        self.v[layer][:, self.length: n] = v.transpose(1, 0, 2)
-        return self.k[layer][:, :n], self.v[layer][:, :n]
+        store = self.arrays[layer][name]
+        store[:, self.length: n] = x.transpose(1, 0, 2)
+        return store[:, :n]
 
     def ensure(self, layer: int, n: int) -> None:
         """Room for n positions in a layer's arrays (growing them, positions kept)."""
-        if self.k[layer].shape[1] < n:
-            cap = max(n, 2 * self.k[layer].shape[1], self.reserve)
-            for store in (self.k, self.v):
-                old = store[layer]
+        parts = self.arrays[layer]
+        for name, old in parts.items():
+            if old.shape[1] < n:
+                cap = max(n, 2 * old.shape[1], self.reserve)
                 grown = lazy_array((old.shape[0], cap, old.shape[2]), self.dtype)
                 grown[:, : self.length] = old[:, : self.length]
-                store[layer] = grown
-
-
-class _Layer:
-    """One decoder layer's dense (always resident) weights."""
-
-    def __init__(self, c: Container, spec: ArchSpec, i: int):
-        p = f"model.layers.{i}."
-        vec = lambda n: kernels.vector(c.load(p + n))
-        opt = lambda n: kernels.vector(c.load(p + n)) if (p + n) in c else None
-        self.input_norm = vec("input_layernorm.weight")
-        self.post_norm = vec("post_attention_layernorm.weight")
-        self.q, self.k, self.v, self.o = (c.load(p + f"self_attn.{n}_proj.weight") for n in "qkvo")
-        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (opt(f"self_attn.{n}_proj.bias") for n in "qkvo")
-        self.q_norm = opt("self_attn.q_norm.weight")
-        self.k_norm = opt("self_attn.k_norm.weight")
-        if spec.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
-            raise ColiError(f"layer {i}: q_norm/k_norm weights are missing from the container")
-        self.kind = spec.mlp_kinds[i]
-        if self.kind == "moe":
-            weight = kernels.vector(c.load(p + "mlp.gate.weight"))
-            if weight.shape != (spec.num_experts, spec.hidden_size):
-                raise ColiError(f"layer {i}: router shape {weight.shape} does not match the config")
-            self.router = SoftmaxTopK(weight, spec.top_k, spec.norm_topk_prob)
-        else:
-            self.mlp = ExpertFFN(*(c.load(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")))
-        self.window = spec.sliding_windows[i] if spec.sliding_windows else None
-        # decode's attention block (and a MoE layer's router) in one compiled call (None: the
-        # step-by-step path)
-        moe = self.kind == "moe"
-        self.attention_block = kernels.attention_block(
-            [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
-            self.input_norm, spec.qk_norm, self.q_norm, self.k_norm, spec.rms_norm_eps,
-            spec.clip_qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            self.router.weight if moe else None, self.post_norm if moe else None, spec.top_k,
-            spec.norm_topk_prob)
+                parts[name] = grown
+                if name in ("k", "v"):
+                    (self.k if name == "k" else self.v)[layer] = grown
 
 
 class _Cancelled(Exception):
     """Engine.cancel() reached a forward pass of a generation (between layers or expert batches)."""
-
-
-def _biased(y: np.ndarray, bias) -> np.ndarray:
-    return y + bias if bias is not None else y
-
-
-def _linear(x, w: Weight, bias):
-    return _biased(kernels.matmul(x, w), bias)
 
 
 class Engine:
@@ -154,7 +131,9 @@ class Engine:
         else:
             self.head = c.load("lm_head.weight")
         self.final_norm = kernels.vector(c.load("model.norm.weight"))
-        self.layers = [_Layer(c, spec, i) for i in range(spec.num_layers)]
+        # each layer as the family composed it (ArchSpec.layer_plan: core.blocks)
+        self.layers = [decl.build(c, f"model.layers.{i}.", spec.rms_norm_eps)
+                       for i, decl in enumerate(spec.layer_plan())]
         if store is None:
             from .tiered_store import TieredStore
             store = TieredStore(c, cap=spec.num_experts)      # everything fits: no eviction
@@ -162,8 +141,7 @@ class Engine:
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
-        self.rope = Rope(c.config, spec.head_dim)
-        self.scale = np.float32(spec.head_dim ** -0.5)
+        self.rope = Rope(c.config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
         self._cancel = threading.Event()
         self._cancel_checks = False      # True while generate() runs: forward() may stop early
         moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]
@@ -174,7 +152,8 @@ class Engine:
         self.usage_history: dict[tuple[int, int], float] = {}
         self.usage_file = None       # where save_usage() writes the merged history (.coli_usage)
         self.routed: dict[int, list[int]] = {}     # layer -> experts of the latest step (live view)
-        self._kv_spare: tuple[list, list] | None = None    # a finished cache's arrays (new_cache)
+        self._kv_spare: list[dict] | None = None    # a finished cache's arrays (new_cache)
+        self._spare_capacity = 0
         self.fused_attention = True      # False: the step-by-step attention (benchmarks, tests)
         self.reset_counters()
 
@@ -189,8 +168,8 @@ class Engine:
     def recycle_cache(self, cache: KVCache) -> None:
         """Hand back a cache nobody uses any more, for the next new_cache (the larger is kept)."""
         spare = self._kv_spare
-        if spare is None or spare[0][0].shape[1] <= cache.k[0].shape[1]:
-            self._kv_spare = cache.buffers()
+        if spare is None or self._spare_capacity <= cache.capacity():
+            self._kv_spare, self._spare_capacity = cache.buffers(), cache.capacity()
 
     def placement(self) -> dict[int, dict[int, str]]:
         """layer -> {expert: tier} for every expert not on disk only (the live Brain map)."""
@@ -226,37 +205,13 @@ class Engine:
         self._predicted: dict[int, set[int]] = {}
 
     # --- the forward pass ----------------------------------------------------------------------
-    def _attention(self, i: int, L: _Layer, h, cos, sin, cache: KVCache, pos: np.ndarray):
-        s, T = self.spec, h.shape[0]
-        q, k, v = kernels.matmul_many(h, [L.q, L.k, L.v])       # one pass over x for all three
-        q, k, v = _biased(q, L.q_bias), _biased(k, L.k_bias), _biased(v, L.v_bias)
-        if s.qk_norm == "full":
-            q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
-        if s.clip_qkv is not None:
-            c = np.float32(s.clip_qkv)
-            q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
-        q = q.reshape(T, s.num_heads, s.head_dim)
-        k = k.reshape(T, s.num_kv_heads, s.head_dim)
-        v = v.reshape(T, s.num_kv_heads, s.head_dim)
-        if s.qk_norm == "per_head":
-            q, k = rms_norm(q, L.q_norm, s.rms_norm_eps), rms_norm(k, L.k_norm, s.rms_norm_eps)
-        q, k = kernels.rope(q, cos, sin), kernels.rope(k, cos, sin)
-        keys, values = cache.append(i, k, v)
-        B = kernels.ATTENTION_QUERY_BLOCK
-        if T > B and self._cancel_checks:
-            # kernels.attention's own blocks of query rows, called one by one so that a cancel
-            # is seen between them (a long prompt's attention is most of a layer): the same bits
-            if keys.dtype != np.float32:
-                keys, values = keys.astype(np.float32), values.astype(np.float32)
-            parts = []
-            for t in range(0, T, B):
-                parts.append(kernels.attention(q[t: t + B], keys, values, self.scale, pos[t: t + B], L.window))
-                self._check_cancel()
-            out = np.concatenate(parts)
-        else:
-            out = kernels.attention(q, keys, values, self.scale, pos, L.window)
-        return _linear(out, L.o, L.o_bias)
+    @property
+    def cancel_checks(self) -> bool:
+        """True while generate() runs: a block may stop a long pass early (check_cancel)."""
+        return self._cancel_checks
 
+    def check_cancel(self) -> None:
+        self._check_cancel()
 
     def _predict(self, i: int, x: np.ndarray) -> None:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
@@ -269,16 +224,17 @@ class Engine:
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
 
-    def _moe(self, i: int, L: _Layer, h: np.ndarray, pos: np.ndarray, routed=None) -> np.ndarray:
-        """routed: (top, weights) of h when the attention block computed them already."""
-        top, weights = routed if routed is not None else L.router.route(h)
-        if h.shape[0] == 1:
+    def record_routing(self, i: int, top: np.ndarray, pos: np.ndarray) -> tuple[list[int], list[int]]:
+        """A MoE block's routing of its positions (top [T, k]): counted for the routing history,
+        the live view, prefetch recall and the trace. Returns (the one position's experts
+        strongest first, or [] for several; the distinct experts used, ascending)."""
+        if top.shape[0] == 1:
             ids = top[0].tolist()       # one position: k distinct experts, strongest first
             used = sorted(ids)
             for e in ids:
                 self.usage[(i, e)] = self.usage.get((i, e), 0) + 1
         else:
-            used = np.unique(top).tolist()
+            ids, used = [], np.unique(top).tolist()
             for e in used:
                 self.usage[(i, e)] = self.usage.get((i, e), 0) + int((top == e).sum())
         self.routed[i] = used
@@ -289,23 +245,7 @@ class Engine:
         if self.trace is not None:
             for p, row in zip(pos.tolist(), top.tolist()):
                 self.trace.record(p, i, row)
-        # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
-        # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
-        # slots and are summed in rank order, so arrival and grouping cannot change the output.
-        contrib = np.empty((h.shape[0], top.shape[1], h.shape[1]), np.float32)
-        for batch in self.store.request_batches(i, used):
-            if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
-                kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
-                continue
-            picks = [np.nonzero(top == e) for e, _ in batch]
-            rows = np.concatenate([r for r, _ in picks])
-            ranks = np.concatenate([k for _, k in picks])
-            y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
-            contrib[rows, ranks] = y * weights[rows, ranks][:, None]
-            self._check_cancel()     # a prefill batch of experts can take a while
-        if h.shape[0] == 1:
-            return kernels.rank_sum(contrib[0], weights[0])
-        return np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
+        return ids, used
 
     def _check_context(self, end: int, what: str) -> None:
         """Positions past max_position_embeddings are refused: RoPE would extrapolate in silence."""
@@ -322,6 +262,7 @@ class Engine:
         s = self.spec
         if self.governor is not None:
             self.governor.update()
+        self.pass_state = {}         # what a block leaves for later layers of this pass (DSA's choice)
         x = kernels.rows(self.embed, ids)
         pos = np.arange(cache.length, cache.length + len(ids))
         cos, sin = self.rope.cos_sin(pos)
@@ -334,18 +275,18 @@ class Engine:
             if block and L.attention_block is not None:
                 cache.ensure(i, cache.length + 1)
                 out = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length,
-                                        kernels.window_start(cache.length, L.window), self.scale)
-                if L.kind == "moe":      # the block ran the router too
+                                        kernels.window_start(cache.length, L.attn.window), L.attn.scale)
+                if L.block_routes:       # the block ran the router too
                     x, h, *routed = out
                 else:
                     x = out
             else:
-                x = x + self._attention(i, L, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos)
+                x = x + L.attn(i, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos, self)
             t1 = time.perf_counter()
             self._predict(i, x)
             if routed is None:
                 h = rms_norm(x, L.post_norm, s.rms_norm_eps)
-            x = x + (self._moe(i, L, h, pos, routed) if L.kind == "moe" else expert_ffn(h, L.mlp))
+            x = x + L.ffn(i, h, pos, self, routed)
             t2 = time.perf_counter()
             c["attention_s"] += t1 - t0
             c["experts_s"] += t2 - t1

@@ -53,14 +53,18 @@ def _check_numbers(p: dict) -> None:
 
 
 class Rope:
-    def __init__(self, config: dict, head_dim: int):
+    """The cos / sin table of ``head_dim`` dims. ``partial``: the family rotates only the first
+    partial_rotary_factor x head_dim dims of each head and passes that many as ``head_dim`` (the
+    frequencies follow transformers: computed over the rotated dims)."""
+
+    def __init__(self, config: dict, head_dim: int, partial: bool = False):
         p = rope_parameters(config)
         kind = p["rope_type"]
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ColiError(f"rope type '{kind}' is not supported (supported: "
                             f"{', '.join(SUPPORTED_ROPE_TYPES)})")
         _check_numbers(p)
-        if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+        if not partial and float(p.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ColiError("partial_rotary_factor != 1 is not supported for this model type")
         dim = head_dim
         exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)

@@ -71,46 +71,17 @@ def _reader(config: dict):
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape of the checkpoint ``config`` describes."""
-    r, spec = _reader(config)
-    H, V, D = spec.hidden_size, spec.vocab_size, spec.head_dim
-    nh, nkv, E = spec.num_heads, spec.num_kv_heads, spec.num_experts
-    if spec.qk_norm == "per_head":
-        inter = r.int("moe_intermediate_size")
-        dense_inter = r.int("intermediate_size")
-    else:
-        inter = dense_inter = r.int("intermediate_size")
-    bias = bool(r.get("attention_bias"))
-    t: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not spec.tie_word_embeddings:
-        t["lm_head.weight"] = (V, H)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = (H,)
-        t[p + "post_attention_layernorm.weight"] = (H,)
-        outs = {"q": nh * D, "k": nkv * D, "v": nkv * D}
-        for n, o in outs.items():
-            t[p + f"self_attn.{n}_proj.weight"] = (o, H)
-            if bias:
-                t[p + f"self_attn.{n}_proj.bias"] = (o,)
-        t[p + "self_attn.o_proj.weight"] = (H, nh * D)
-        if bias:
-            t[p + "self_attn.o_proj.bias"] = (H,)
-        if spec.qk_norm == "per_head":
-            t[p + "self_attn.q_norm.weight"] = t[p + "self_attn.k_norm.weight"] = (D,)
-        elif spec.qk_norm == "full":
-            t[p + "self_attn.q_norm.weight"] = (nh * D,)
-            t[p + "self_attn.k_norm.weight"] = (nkv * D,)
-        if spec.mlp_kinds[i] == "moe":
-            t[p + "mlp.gate.weight"] = (E, H)
-            for e in range(E):
-                q = f"{p}mlp.experts.{e}."
-                t[q + "gate_proj.weight"] = t[q + "up_proj.weight"] = (inter, H)
-                t[q + "down_proj.weight"] = (H, inter)
-        else:
-            t[p + "mlp.gate_proj.weight"] = t[p + "mlp.up_proj.weight"] = (dense_inter, H)
-            t[p + "mlp.down_proj.weight"] = (H, dense_inter)
-    return t
+    """Hugging Face tensor name -> shape of the checkpoint ``config`` describes: the family's
+    own layout (core.layout.expected_tensors), biases where the config has them."""
+    from core.layout import expected_tensors
+    _, spec = _reader(config)
+    out = {}
+    for need in expected_tensors(spec):
+        if need.synthetic:
+            if need.shape is None:
+                raise ValueError(f"{need.name}: the family leaves its shape to the tensors")
+            out[need.name] = need.shape
+    return out
 
 
 def plan(config: dict, bits: int = 4) -> list[tuple[str, list[_Out]]]:

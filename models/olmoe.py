@@ -26,4 +26,5 @@ class Olmoe:
                  "head_dim different from hidden_size / num_attention_heads")
         r.refuse(spec.num_experts == 0, "num_experts = 0")
         spec.clip_qkv = r.number("clip_qkv", optional=True)
+        spec.expert_intermediate = r.positive_int("intermediate_size")
         return spec

@@ -27,6 +27,8 @@ class Qwen3Moe:
         dense_only = set(r.int_list("mlp_only_layers"))
         spec.mlp_kinds = ["moe" if (i not in dense_only and spec.num_experts > 0 and (i + 1) % step == 0)
                           else "dense" for i in range(spec.num_layers)]
+        spec.expert_intermediate = r.positive_int("moe_intermediate_size")
+        spec.dense_intermediate = r.positive_int("intermediate_size")
         if r.flag("use_sliding_window") and r.get("sliding_window"):
             spec.sliding_windows = [r.positive_int("sliding_window")] * spec.num_layers
         return spec

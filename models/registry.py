@@ -5,10 +5,13 @@ from core.errors import ColiError
 from core.layout import check_layout
 from core.rope import Rope
 
+from .deepseek_v3 import DeepseekV3
+from .glm4_moe import Glm4Moe
+from .glm_moe_dsa import GlmMoeDsa
 from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
 
-FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe)}
+FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa)}
 
 
 def supported_types() -> list[str]:
@@ -28,4 +31,4 @@ def validate_config(config: dict, shapes: dict | None = None, where: str = "the 
     spec = family_for(config).spec(config)
     if shapes is not None:
         check_layout(spec, shapes, where)
-    Rope(config, spec.head_dim)
+    Rope(config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)

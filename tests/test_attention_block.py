@@ -1,5 +1,5 @@
 """Decode's attention block as one compiled call (cython_kernels/attention_block.h) against the
-step-by-step path it replaces (Engine._attention's operations and the residual add): the same
+step-by-step path it replaces (core.blocks.attention.GQAAttention's operations and the residual add): the same
 bits of the output and of the key / value written into the cache, for every q/k norm kind, with
 biases and clipping, grouped-query heads, a sliding window, a context long enough to split the
 heads between threads, float32 and float16 caches, every SIMD variant, the opt-in int8
@@ -15,7 +15,8 @@ import pytest
 from core import kernels, quant
 from core.arch import ArchSpec
 from core.container import Weight
-from core.engine import Engine, KVCache
+from core.blocks.attention import GQA, GQAAttention
+from core.engine import KVCache
 from core.rope import Rope
 
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
@@ -56,6 +57,16 @@ def _block(L, s, router=False):
                                    s.norm_topk_prob)
 
 
+def _attention(L, s) -> GQAAttention:
+    """The numpy block over the test layer's weights (as GQA.build would load them)."""
+    att = GQAAttention.__new__(GQAAttention)
+    att.spec = GQA(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.qk_norm, s.clip_qkv, L.window)
+    att.eps, att.window, att.rope_dim, att.scale = s.rms_norm_eps, L.window, s.head_dim, np.float32(s.head_dim ** -0.5)
+    for n in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
+        setattr(att, n, getattr(L, n))
+    return att
+
+
 def _filled_cache(rng, s, n, dtype=np.float32):
     cache = KVCache(s, dtype=dtype)
     if n:
@@ -88,7 +99,8 @@ def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
     before = _filled_cache(rng, s, n, kv)
     cos, sin = Rope({"rope_theta": 10000.0}, D).cos_sin(np.array([n]))
     scale = np.float32(D ** -0.5)
-    eng = SimpleNamespace(spec=s, scale=scale)
+    eng = SimpleNamespace(cancel_checks=False)
+    attn = _attention(L, s)
     block, routed = _block(L, s), _block(L, s, router=True)
     assert block is not None and routed is not None
     lo = max(0, n - window + 1) if window else 0
@@ -96,9 +108,10 @@ def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
         qm.set_simd(simd)
         qm.set_int8_activations(i8)     # the opt-in int8-activation products, on both paths
         ref = KVCache(s, dtype=kv)      # the step-by-step path with this variant's products
-        ref.k, ref.v, ref.length = [before.k[0].copy()], [before.v[0].copy()], n
-        want = x + Engine._attention(eng, 0, L, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps),
-                                     cos, sin, ref, np.array([n]))
+        ref.arrays = [{"k": before.k[0].copy(), "v": before.v[0].copy()}]
+        ref._views()
+        ref.length = n
+        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, ref, np.array([n]), eng)
         for threads in (1, 2, 3):
             qm.set_num_threads(threads)
             k, v = before.k[0].copy(), before.v[0].copy()
@@ -153,7 +166,8 @@ def test_engine_decodes_the_same_with_and_without_the_block(containers):
     for name, (kv, i8) in zip(oracle_names(), kinds):
         engine = open_model(containers(name, 4), threads=2, kv_cache=kv)
         kernels.set_int8_activations(i8)
-        assert any(L.attention_block is not None for L in engine.layers)
+        if engine.spec.layers and not any(L.attention_block is not None for L in engine.layers):
+            continue     # a family whose attention has no compiled step yet (partial RoPE, MLA)
         runs = []
         for fused in (True, False):
             engine.fused_attention = fused

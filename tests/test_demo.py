@@ -104,9 +104,9 @@ def test_generations_reuse_the_kv_memory_and_give_the_same_tokens():
 
     first = run([1, 2, 3, 4, 5], 12)
     spare = engine._kv_spare
-    assert spare is not None and spare[0][0].shape[1] >= 17
+    assert spare is not None and spare[0]["k"].shape[1] >= 17
     run(list(range(7, 60)), 20)                      # longer: overwrites those positions
-    assert engine._kv_spare[0][0] is spare[0][0]     # the same memory went round again
+    assert engine._kv_spare[0]["k"] is spare[0]["k"]     # the same memory went round again
     assert run([1, 2, 3, 4, 5], 12) == first
     fresh = engine.forward([1, 2, 3, 4, 5], KVCache(engine.spec), all_logits=True)
     np.testing.assert_array_equal(engine.logits([1, 2, 3, 4, 5]), fresh)

@@ -1,0 +1,38 @@
+"""Small pieces the blocks share: a tensor a block needs (for the layout check, the converter,
+synthetic checkpoints and size estimates) and the bias-adding products."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kernels, quant
+
+
+@dataclass(frozen=True)
+class Need:
+    """One tensor of the checkpoint: its name and shape (None: fixed by other tensors, checked
+    for consistency by whoever reads it); ``optional`` ones may be absent (biases)."""
+    name: str
+    shape: tuple[int, ...] | None
+    optional: bool = False
+    synthetic: bool = True      # written into a synthetic checkpoint of the config (core.synthetic)
+
+
+def biased(y: np.ndarray, bias) -> np.ndarray:
+    return y + bias if bias is not None else y
+
+
+def linear(x, w, bias=None):
+    return biased(kernels.matmul(x, w), bias)
+
+
+def float32_matrix(w) -> np.ndarray:
+    """A weight as a float32 array whatever its scheme (the values the products use)."""
+    if w.scheme == "dense":
+        return np.asarray(w.data, dtype=np.float32)
+    if w.scheme == "int4":
+        return quant.dequantize_int4(w.data, w.scales, w.shape[1], w.group_size)
+    if w.scheme == "int8":
+        return quant.dequantize_int8(w.data, w.scales)
+    raise ValueError(f"unknown weight scheme {w.scheme}")

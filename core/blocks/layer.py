@@ -1,0 +1,47 @@
+"""A decoder layer as the families compose it: pre-norm residual, ``x + mixer(norm(x))`` then
+``x + ffn(norm(x))`` (every family up to GLM-5). ``Layer`` is the declaration (its tensors and
+its cache kind follow from its blocks); ``DecoderLayer`` holds the loaded weights."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import kernels
+from .common import Need
+
+
+@dataclass(frozen=True)
+class Layer:
+    mixer: object       # core.blocks.attention.GQA | core.blocks.mla.MLA
+    ffn: object         # core.blocks.mlp.SwiGLU | core.blocks.mlp.MoE
+
+    @property
+    def kind(self) -> str:
+        return "moe" if hasattr(self.ffn, "num_experts") else "dense"
+
+    def tensors(self, p: str, hidden: int) -> list[Need]:
+        return ([Need(p + "input_layernorm.weight", (hidden,)), Need(p + "post_attention_layernorm.weight", (hidden,))]
+                + self.mixer.tensors(p + "self_attn.") + self.ffn.tensors(p + "mlp."))
+
+    def cache_kind(self):
+        return self.mixer.cache_kind()
+
+    def build(self, c, p: str, eps: float) -> "DecoderLayer":
+        return DecoderLayer(self, c, p, eps)
+
+
+class DecoderLayer:
+    def __init__(self, decl: Layer, c, p: str, eps: float):
+        self.input_norm = kernels.vector(c.load(p + "input_layernorm.weight"))
+        self.post_norm = kernels.vector(c.load(p + "post_attention_layernorm.weight"))
+        self.attn = decl.mixer.build(c, p + "self_attn.", eps)
+        self.ffn = decl.ffn.build(c, p + "mlp.")
+        self.kind = self.ffn.kind
+        self.router = getattr(self.ffn, "router", None)
+        # decode's attention block (and a softmax router) in one compiled call, or None (the
+        # step-by-step path); chosen by weight scheme and shape only, never by placement
+        routes = self.router is not None and getattr(self.router, "kind", "") == "softmax_topk"
+        make = getattr(self.attn, "compiled_block", None)
+        self.attention_block = None if make is None else make(
+            self.input_norm, self.router.weight if routes else None, self.post_norm if routes else None,
+            self.router.top_k if routes else 0, self.router.norm_topk_prob if routes else False)
+        self.block_routes = routes

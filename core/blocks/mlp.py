@@ -1,0 +1,121 @@
+"""Feed-forward blocks: the dense SwiGLU MLP, and the MoE block (a router, routed SwiGLU experts
+served by the expert store, optional shared experts kept with the dense weights).
+
+The MoE block asks the engine's store for the experts its router chose and sums their outputs in
+rank order into fixed (token, rank) slots, so the order in which experts arrive -- which depends
+on where they live -- can never change the output (DESIGN.md's one law).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kernels
+from ..errors import ColiError
+from ..store import ExpertFFN
+from .common import Need
+
+
+def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
+    return kernels.matmul(kernels.silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up),
+                          ffn.down)
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    """down(silu(gate x) * up x); ``intermediate`` None: whatever the tensors say (consistently)."""
+    hidden: int
+    intermediate: int | None = None
+
+    def tensors(self, p: str) -> list[Need]:
+        I, H = self.intermediate, self.hidden
+        if I is None:
+            return [Need(p + "gate_proj.weight", None), Need(p + "up_proj.weight", None),
+                    Need(p + "down_proj.weight", None)]
+        return [Need(p + "gate_proj.weight", (I, H)), Need(p + "up_proj.weight", (I, H)),
+                Need(p + "down_proj.weight", (H, I))]
+
+    def build(self, c, p: str) -> "DenseMLP":
+        return DenseMLP(ExpertFFN(*(c.load(p + f"{n}_proj.weight") for n in ("gate", "up", "down"))))
+
+
+class DenseMLP:
+    kind = "dense"
+
+    def __init__(self, ffn: ExpertFFN):
+        self.mlp = ffn
+
+    def __call__(self, i, h, pos, ctx, routed=None):
+        return expert_ffn(h, self.mlp)
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Routed experts ``mlp.experts.E.{gate,up,down}_proj`` (each of ``intermediate``, None: from
+    the tensors) behind ``router`` (core.blocks.routers' SoftmaxRouter / SigmoidGroupRouter), and
+    ``shared``, an always-resident SwiGLU added to every position (``mlp.shared_experts.``)."""
+    hidden: int
+    num_experts: int
+    router: object
+    intermediate: int | None = None
+    shared: SwiGLU | None = None
+
+    def tensors(self, p: str) -> list[Need]:
+        out = list(self.router.tensors(p, self.num_experts, self.hidden))
+        expert = SwiGLU(self.hidden, self.intermediate)
+        for e in range(self.num_experts):
+            out += expert.tensors(p + f"experts.{e}.")
+        if self.shared is not None:
+            out += self.shared.tensors(p + "shared_experts.")
+        return out
+
+    def build(self, c, p: str) -> "MoEBlock":
+        shared = self.shared.build(c, p + "shared_experts.").mlp if self.shared is not None else None
+        return MoEBlock(self.router.build(c, p, self.num_experts, self.hidden), shared)
+
+
+class MoEBlock:
+    kind = "moe"
+
+    def __init__(self, router, shared: ExpertFFN | None = None):
+        self.router, self.shared = router, shared
+
+    def __call__(self, i: int, h: np.ndarray, pos: np.ndarray, ctx, routed=None) -> np.ndarray:
+        """routed: (top, weights) of h when the attention block computed them already. ``ctx``
+        (the engine) gives the store and records routing (usage, trace, prefetch recall)."""
+        top, weights = routed if routed is not None else self.router.route(h)
+        ids, used = ctx.record_routing(i, top, pos)
+        # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
+        # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
+        # slots and are summed in rank order, so arrival and grouping cannot change the output.
+        contrib = np.empty((h.shape[0], top.shape[1], h.shape[1]), np.float32)
+        for batch in ctx.store.request_batches(i, used):
+            if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
+                kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
+                continue
+            picks = [np.nonzero(top == e) for e, _ in batch]
+            rows = np.concatenate([r for r, _ in picks])
+            ranks = np.concatenate([k for _, k in picks])
+            y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
+            contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+            ctx.check_cancel()     # a prefill batch of experts can take a while
+        if h.shape[0] == 1:
+            out = kernels.rank_sum(contrib[0], weights[0])
+        else:
+            out = np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
+        if self.shared is not None:
+            out = out + expert_ffn(h, self.shared)
+        return out
+
+
+def check_mlp_shapes(shapes, p: str, hidden: int, where: str) -> None:
+    """gate/up [I, H], down [H, I], the same I (for a SwiGLU whose I the config does not fix)."""
+    gate = tuple(shapes[p + "gate_proj.weight"])
+    if len(gate) != 2 or gate[1] != hidden:
+        raise ColiError(f"{where}: tensor {p}gate_proj.weight has shape {list(gate)}, but "
+                        f"the config needs [intermediate, {hidden}]")
+    for name, want in (("up_proj.weight", gate), ("down_proj.weight", (hidden, gate[0]))):
+        got = tuple(shapes[p + name])
+        if got != want:
+            raise ColiError(f"{where}: tensor {p}{name} has shape {list(got)}, but the config needs {list(want)}")
