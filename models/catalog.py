@@ -1,9 +1,12 @@
 """The catalog of downloadable models (``catalog.toml``) and the fit check against this machine.
 
-``load()`` gives ``Entry`` objects; ``estimate(arch)`` recomputes an entry's sizes from its
-architecture numbers (the catalog is checked against it by a test); ``fit(entry, directory)``
-answers "will it run here, and how": fits in RAM / streams from disk (with a rough tok/s from the
-disk bandwidth) / not enough RAM / not enough disk.
+``load()`` gives ``Entry`` objects; ``estimate(config, family)`` recomputes an entry's sizes from
+its published config through the family's own layout (the catalog is checked against it by a
+test); ``fit(entry, directory)`` answers "will it run here, and how": fits in RAM / streams from
+disk (with a rough tok/s from the disk bandwidth) / not enough RAM / not enough disk.
+
+Numpy-free at import, as the UI needs: ``load`` and ``fit`` read the stored numbers; only
+``estimate`` (tests, tools) imports the families.
 """
 from __future__ import annotations
 
@@ -17,12 +20,18 @@ import psutil
 
 CATALOG = Path(__file__).resolve().parent / "catalog.toml"
 GB = 1e9
-INT4_G64 = 0.5 + 4 / 64          # bytes per parameter: 4-bit value + one f32 scale per 64
-INT8_ROW = 1.0
-RUNTIME_OVERHEAD_GB = 0.5        # as core.planner.RUNTIME_OVERHEAD (interpreter, KV cache, activations)
+GROUP = 64                       # --group-size: int4 values carry one f32 scale per 64 columns
+INT4_G64 = 0.5 + 4 / GROUP       # bytes per parameter of an int4 g64 tensor (values + scale rows)
+INT8_ROW = 1.0                   # int8 per row: 1 byte per parameter + one f32 scale per row
+RUNTIME_OVERHEAD_GB = 0.5        # as core.planner.RUNTIME_OVERHEAD (interpreter, activations)
 AUTO_SHARE = 0.75                # as core.planner.AUTO_SHARE
 DISK_GBPS = 1.0                  # as core.planner.make_plan's default disk bandwidth
 RAM_GBPS = 25.0
+KV_CONTEXT = 4096                # as core.planner.KV_CONTEXT: the positions the planner reserves
+KV_DTYPE = "float32"             # the engine's default KV cache (core.arch.KV_CACHES[0])
+FP8_BLOCK = 128                  # the Hub's block-FP8 checkpoints: one f32 scale_inv per 128 x 128
+# source bytes per parameter by the config's dtype (torch_dtype / dtype)
+SOURCE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass
@@ -30,51 +39,157 @@ class Entry:
     repo: str
     name: str
     family: str
-    params_b: float
+    params_b: float              # the language model's parameters (MTP layers not counted)
     active_b: float
-    disk_gb: float
-    download_gb: float
+    disk_gb: float               # the container the engine loads (MTP shards not counted)
+    download_gb: float           # the source checkpoint as the Hub ships it, MTP layers included
     active_expert_gb: float
     min_ram_gb: float
     note: str = ""
-    arch: dict = field(default_factory=dict)
+    dense_gb: float | None = None        # resident weights (everything but the routed experts)
+    kv_bytes_per_pos: int | None = None  # cache bytes one position of context takes (float32)
+    mtp_gb: float = 0.0                  # the MTP shards `coli convert` writes aside (--drop-mtp: 0)
+    config: dict = field(default_factory=dict)   # the published config.json's fields the family reads
+    source: str = ""             # where the config and the download size come from
+    pending: str = ""            # not offered yet (load(include_pending=True) lists it): why
+    arch: dict = field(default_factory=dict)     # older catalogs: GQA numbers (see _legacy_dense_gb)
+
+    def __post_init__(self):
+        if self.dense_gb is None:
+            self.dense_gb = (_legacy_dense_gb(self.arch) if self.arch
+                             else max(0.0, self.min_ram_gb - self.active_expert_gb - RUNTIME_OVERHEAD_GB))
 
     @property
-    def dense_gb(self) -> float:
-        """Resident (non-expert) weights once converted."""
-        return estimate(self.arch)["dense_gb"] if self.arch else max(0.0, self.min_ram_gb - self.active_expert_gb)
+    def context_gb(self) -> float:
+        """The cache the planner reserves (KV_CONTEXT positions, float32): KV or MLA latent."""
+        return (self.kv_bytes_per_pos or 0) * self.context_positions / GB
+
+    @property
+    def context_positions(self) -> int:
+        most = self.config.get("max_position_embeddings") or KV_CONTEXT
+        return min(int(most), KV_CONTEXT)
 
 
-def load(path: str | Path | None = None) -> list[Entry]:
+def load(path: str | Path | None = None, include_pending: bool = False) -> list[Entry]:
+    """The catalog's entries (those marked ``pending`` only with ``include_pending``)."""
     data = tomllib.loads(Path(path or CATALOG).read_text())
     out = []
     for m in data.get("models", []):
         known = {k: m[k] for k in Entry.__dataclass_fields__ if k in m}
-        out.append(Entry(**known))
+        entry = Entry(**known)
+        if include_pending or not entry.pending:
+            out.append(entry)
     return out
 
 
-def estimate(arch: dict) -> dict:
-    """Sizes of a MoE transformer converted with --bits 4 (see catalog.toml's header)."""
-    L, H, E, K = arch["layers"], arch["hidden"], arch["experts"], arch["top_k"]
-    inter, heads, kv, hd, V = arch["expert_inter"], arch["heads"], arch["kv_heads"], arch["head_dim"], arch["vocab"]
-    expert = 3 * H * inter
-    experts = L * E * expert
+def _legacy_dense_gb(arch: dict) -> float:
+    """Resident bytes of an entry that only gives GQA numbers (catalogs written before entries
+    carried their config): attention int4, embeddings int8, routers and norms f32."""
+    L, H, E, heads, kv, hd, V = (arch[k] for k in ("layers", "hidden", "experts", "heads", "kv_heads",
+                                                    "head_dim", "vocab"))
     attn = L * (2 * H * heads * hd + 2 * H * kv * hd)
     emb = V * H * (1 if arch.get("tied") else 2)
-    small = L * (E * H + 2 * H + 2 * hd) + H               # routers, norms (kept f32)
-    total = experts + attn + emb + small
-    active_experts = L * K * expert
-    dense_bytes = attn * INT4_G64 + emb * INT8_ROW + small * 4
-    active_expert_bytes = active_experts * INT4_G64
+    small = L * (E * H + 2 * H + 2 * hd) + H
+    return (attn * INT4_G64 + emb * INT8_ROW + small * 4) / GB
+
+
+# --- the estimate: the family's own layout -----------------------------------------------------
+def tensor_bytes(name: str, shape: tuple[int, ...], bits: int = 4, group_size: int = GROUP) -> int:
+    """Bytes `coli convert --bits` writes for one float source tensor (core.quant.scheme_for's
+    class, core.converter._Out.entries' shapes): int4 [O, ceil(I/2)] U8 + [O, ceil(I/gs)] F32,
+    int8 [O, I] U8 + [O] F32, f32 4 bytes a value."""
+    from core import quant
+    n = math.prod(shape)
+    scheme = quant.scheme_for(name, len(shape), bits)
+    if scheme == "int4":
+        rows, cols = shape
+        return rows * ((cols + 1) // 2) + 4 * rows * -(-cols // group_size)
+    if scheme == "int8":
+        return n + 4 * shape[0]
+    return 4 * n
+
+
+def _source_bytes(name: str, shape: tuple[int, ...], config: dict) -> int:
+    """Bytes of one tensor in the checkpoint the Hub ships: the config's dtype, or block FP8 (1 byte
+    a value + an f32 scale_inv per 128 x 128 block) for the decoder layers' projections when the
+    config says ``quantization_config.quant_method = "fp8"`` (embeddings, lm_head, norms and the
+    router stay BF16, e_score_correction_bias F32, as DeepSeek-V3 and Kimi-K2 ship them)."""
+    n = math.prod(shape)
+    if name.endswith("e_score_correction_bias"):
+        return 4 * n
+    q = config.get("quantization_config") or {}
+    if (q.get("quant_method") == "fp8" and len(shape) == 2 and name.startswith("model.layers.")
+            and not name.endswith("mlp.gate.weight") and not any(m and name.startswith(m) for m in
+                                                                    q.get("modules_to_not_convert") or ())):
+        block = (q.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK])
+        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return SOURCE_BYTES.get(dtype, 2) * n
+
+
+def mtp_tensors(spec, config: dict, family: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The MTP layers the source checkpoint carries after the language model's
+    (``num_nextn_predict_layers``, numbered from num_hidden_layers): one more decoder layer of the
+    last layer's kind, eh_proj [H, 2H], enorm / hnorm / shared_head.norm; DeepSeek-V3 ships copies
+    of the embedding and the head in it too (its README_WEIGHTS: embed_tokens, shared_head.head),
+    GLM's checkpoints do not (GLM-5.1's file listing)."""
+    n = config.get("num_nextn_predict_layers") or 0
+    H, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
+    out = []
+    for k in range(n if isinstance(n, int) and spec.layers else 0):
+        p = f"model.layers.{L + k}."
+        out += [(t.name, t.shape) for t in spec.layers[-1].tensors(p, H) if t.synthetic and t.shape]
+        out += [(p + "eh_proj.weight", (H, 2 * H)), (p + "enorm.weight", (H,)), (p + "hnorm.weight", (H,)),
+                (p + "shared_head.norm.weight", (H,))]
+        if family == "deepseek_v3":
+            out += [(p + "embed_tokens.weight", (V, H)), (p + "shared_head.head.weight", (V, H))]
+    return out
+
+
+def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
+    """An entry's sizes from its published config.json, through the family's own layout (every
+    tensor core.layout.expected_tensors lists, at the class core.quant.scheme_for gives it: MLA
+    latent attention, DSA indexer, shared experts, dense-first layers...) and its cache kinds.
+    ``family``: the family that reads the config (its model_type by default; Kimi-K2 says
+    "kimi_k2" and is read by deepseek_v3). Imports numpy (the families do): the UI reads the
+    numbers the catalog stores, which a test checks against this."""
+    from core import cache_kinds
+    from core.layout import expected_tensors
+    from models.registry import FAMILIES, family_for
+    fam = FAMILIES[family] if family else family_for(config)
+    spec = fam.spec(config)
+    total = experts = params = expert_params = source = 0
+    per_layer: dict[str, int] = {}            # one MoE layer's routed-expert bytes, by layer prefix
+    for t in expected_tensors(spec):
+        if not t.synthetic:                   # optional biases the config does not have
+            continue
+        b, n = tensor_bytes(t.name, t.shape, bits), math.prod(t.shape)
+        total, params, source = total + b, params + n, source + _source_bytes(t.name, t.shape, config)
+        if ".mlp.experts." in t.name:
+            experts, expert_params = experts + b, expert_params + n
+            prefix = t.name.split(".mlp.experts.")[0]
+            per_layer[prefix] = per_layer.get(prefix, 0) + b
+    E, K = spec.num_experts, spec.top_k
+    active_experts = sum(per_layer.values()) * K / E if E else 0.0     # top_k x MoE layers x one expert
+    mtp = mtp_tensors(spec, config, fam.model_type)
+    mtp_bytes = sum(tensor_bytes(n, s, bits) for n, s in mtp)
+    source += sum(_source_bytes(n, s, config) for n, s in mtp)
+    dense = total - experts
+    kv = cache_kinds.bytes_per_position(spec.cache_kinds, KV_DTYPE)
+    positions = min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
+    context = kv * positions + cache_kinds.fixed_bytes(spec.cache_kinds, KV_DTYPE)
     return {
-        "params_b": total / 1e9,
-        "active_b": (attn + emb + small + active_experts) / 1e9,
-        "disk_gb": (experts * INT4_G64 + dense_bytes) / GB,
-        "download_gb": total * 2 / GB,
-        "active_expert_gb": active_expert_bytes / GB,
-        "dense_gb": dense_bytes / GB,
-        "min_ram_gb": float(math.ceil((dense_bytes + active_expert_bytes) / GB + RUNTIME_OVERHEAD_GB)),
+        "params_b": params / 1e9,
+        "active_b": (params - expert_params + expert_params * K / E if E else params) / 1e9,
+        "disk_gb": total / GB,
+        "download_gb": source / GB,
+        "active_expert_gb": active_experts / GB,
+        "dense_gb": dense / GB,
+        "mtp_gb": mtp_bytes / GB,
+        "kv_bytes_per_pos": kv,
+        "context_gb": context / GB,
+        "min_ram_gb": float(math.ceil((dense + active_experts + context) / GB + RUNTIME_OVERHEAD_GB)),
+        "bytes": {"total": total, "experts": experts, "dense": dense, "mtp": mtp_bytes, "source": source},
     }
 
 
@@ -111,11 +226,15 @@ def free_disk(directory: str | Path) -> int:
 
 def fit(entry: Entry, directory: str | Path, available_ram: int | None = None, free: int | None = None,
         disk_gbps: float = DISK_GBPS, keep_download: bool = False) -> Fit:
+    """Will ``entry`` run here, and how. Disk: the download plus the container (and the MTP shards
+    the converter writes aside). RAM: the dense weights, the cache the planner reserves and the
+    overhead first; what is left of AUTO_SHARE of the available memory holds experts, the rest
+    stream from disk (core.planner.make_plan's budget)."""
     avail = (psutil.virtual_memory().available if available_ram is None else available_ram) / GB
     free_gb = (free_disk(directory) if free is None else free) / GB
-    need = entry.download_gb + entry.disk_gb
+    need = entry.download_gb + entry.disk_gb + entry.mtp_gb
     budget = AUTO_SHARE * avail
-    dense = entry.dense_gb
+    dense, context = entry.dense_gb, entry.context_gb
     if need > free_gb:
         return Fit("no-disk", f"not enough disk: needs {need:.0f} GB (download + conversion), "
                               f"{free_gb:.0f} GB free", None, need, free_gb, avail)
@@ -123,11 +242,13 @@ def fit(entry: Entry, directory: str | Path, available_ram: int | None = None, f
         return Fit("no-ram", f"needs at least {entry.min_ram_gb:.0f} GB of free RAM, "
                              f"{avail:.1f} GB available", None, need, free_gb, avail)
     experts_gb = max(0.0, entry.disk_gb - dense)
-    ram_for_experts = max(0.0, budget - dense - RUNTIME_OVERHEAD_GB)
+    ram_for_experts = max(0.0, budget - dense - RUNTIME_OVERHEAD_GB - context)
     hit = 1.0 if experts_gb <= 0 else min(1.0, ram_for_experts / experts_gb)
     seconds = entry.active_expert_gb * (1 - hit) / disk_gbps + (entry.active_expert_gb * hit + dense) / RAM_GBPS
     tok_s = 1 / seconds if seconds > 0 else None
+    # what the reserved context costs, where the entry says (a KV cache, or an MLA latent one)
+    ctx = f" · {entry.context_positions}-token context {context:.1f} GB" if entry.kv_bytes_per_pos else ""
     if hit >= 1.0:
-        return Fit("ram", f"fits in RAM · ≤{tok_s:.0f} tok/s", tok_s, need, free_gb, avail)
+        return Fit("ram", f"fits in RAM · ≤{tok_s:.0f} tok/s{ctx}", tok_s, need, free_gb, avail)
     return Fit("stream", f"streams from disk ({hit:.0%} of experts in RAM) · ≈{tok_s:.1f} tok/s "
-                         f"at {disk_gbps:g} GB/s", tok_s, need, free_gb, avail)
+                         f"at {disk_gbps:g} GB/s{ctx}", tok_s, need, free_gb, avail)

@@ -1,0 +1,181 @@
+"""The catalog's size estimate (models.catalog.estimate: the family's own layout) against what
+`coli convert --bits 4` really writes for the real tiny checkpoints of each family
+(tests/oracle/fixtures), MTP layers included; and the fit check / wizard with the huge entries
+(GLM-5: ~420 GB at int4, 1.5 TB to download)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import wait_for
+
+FIXTURES = Path(__file__).resolve().parent / "oracle" / "fixtures"
+G = 10**9
+
+
+def data_bytes(path: Path) -> tuple[int, int, int]:
+    """(tensor bytes, routed-expert tensor bytes, header bytes) of one safetensors file."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    total = experts = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        b = info["data_offsets"][1] - info["data_offsets"][0]
+        total += b
+        experts += b if ".mlp.experts." in name else 0
+    return total, experts, 8 + n
+
+
+def container_bytes(out: Path, mtp: bool = False) -> tuple[int, int, int]:
+    shards = [p for p in sorted(out.glob("*.safetensors")) if p.name.startswith("mtp-") == mtp]
+    sums = [data_bytes(p) for p in shards]
+    return tuple(sum(s[i] for s in sums) for i in range(3))
+
+
+def no_mtp(config: dict) -> dict:
+    """transformers' tiny checkpoints declare an MTP layer they do not carry."""
+    return {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}
+
+
+@pytest.mark.parametrize("fixture", ["glm4moe-a", "glm4moe-b", "deepseekv3-a", "deepseekv3-b",
+                                     "glmdsa-a", "glmdsa-b", "olmoe-a", "qwen3moe-a"])
+def test_the_estimate_is_what_coli_convert_writes(fixture, tmp_path):
+    from core.converter import convert
+    from models.catalog import GB, estimate
+    src = FIXTURES / fixture / "model"
+    config = no_mtp(json.loads((src / "config.json").read_text()))
+    out = convert(src, tmp_path / "c", bits=4)
+    total, experts, headers = container_bytes(out)
+    est = estimate(config)
+    b = est["bytes"]
+    assert (b["total"], b["experts"], b["dense"]) == (total, experts, total - experts)      # byte for byte
+    files = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert files == total + headers                        # the rest of the files is their headers
+    assert abs(est["disk_gb"] * GB - files) <= headers
+    # the download: the source's tensors (float32 here, the config's dtype)
+    assert b["source"] == sum(data_bytes(p)[0] for p in src.glob("*.safetensors"))
+    # one token's routed experts: top_k x MoE layers x one expert, from the container's own index
+    from core.container import Container
+    c = Container(out)
+    per_expert = {k: v.end - v.start for k, v in c.experts.items()}
+    sizes = set(per_expert.values())
+    assert len(sizes) == 1
+    moe_layers = len({layer for layer, _ in per_expert})
+    assert est["active_expert_gb"] * GB == pytest.approx(config["num_experts_per_tok"] * moe_layers * sizes.pop())
+
+
+@pytest.mark.parametrize("fixture", ["glm4moe-a", "deepseekv3-a", "glmdsa-a"])
+def test_mtp_layers_count_in_the_download_and_go_aside_in_the_container(fixture, tmp_path):
+    """A checkpoint with its MTP layer as the Hub ships it (GLM: one more decoder layer + eh_proj
+    and norms; DeepSeek-V3: also copies of the embedding and head): the download estimate counts
+    it, the container estimate does not, mtp_gb is what `coli convert` writes to mtp-* shards."""
+    from safetensors.numpy import save_file
+
+    from core.converter import convert
+    from models.catalog import GB, estimate, mtp_tensors
+    from models.registry import family_for
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / fixture / "model", src)
+    config = {**json.loads((src / "config.json").read_text()), "num_nextn_predict_layers": 1}
+    (src / "config.json").write_text(json.dumps(config))      # GLM-5's says so; the tiny one does not
+    fam = family_for(config)
+    extra = mtp_tensors(fam.spec(config), config, fam.model_type)
+    assert extra and all(n.startswith(f"model.layers.{config['num_hidden_layers']}.") for n, _ in extra)
+    rng = np.random.default_rng(0)
+    save_file({n: rng.standard_normal(s).astype(np.float32) for n, s in extra},
+              str(src / "model-mtp.safetensors"))
+    index_path = src / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update({n: "model-mtp.safetensors" for n, _ in extra})
+        index_path.write_text(json.dumps(index))
+    out = convert(src, tmp_path / "c", bits=4)
+    est = estimate(config)
+    assert est["bytes"]["total"] == container_bytes(out)[0]
+    assert est["bytes"]["mtp"] == container_bytes(out, mtp=True)[0] > 0
+    assert est["bytes"]["source"] == sum(data_bytes(p)[0] for p in src.glob("*.safetensors"))
+    assert json.loads((out / "colibri.json").read_text())["mtp"]["groups"]
+    assert est["mtp_gb"] * GB == est["bytes"]["mtp"]
+
+
+def test_latent_and_kv_cache_bytes_per_position():
+    """GQA keeps keys and values; MLA the latent + RoPE key (576 values for DeepSeek-V3 and GLM-5);
+    GLM-5's DSA adds its indexer's 128-value key, on every layer ("full" by default)."""
+    from models.catalog import load
+    entries = {e.repo: e for e in load(include_pending=True)}
+    assert entries["zai-org/GLM-4.5-Air"].kv_bytes_per_pos == 46 * 2 * 8 * 128 * 4
+    assert entries["deepseek-ai/DeepSeek-V3.1"].kv_bytes_per_pos == 61 * (512 + 64) * 4
+    assert entries["moonshotai/Kimi-K2-Instruct"].kv_bytes_per_pos == 61 * (512 + 64) * 4
+    glm5 = entries["zai-org/GLM-5"]
+    assert glm5.kv_bytes_per_pos == 78 * (512 + 64 + 128) * 4
+    assert glm5.context_positions == 4096 and glm5.context_gb == pytest.approx(78 * 704 * 4 * 4096 / G)
+
+
+def test_huge_entries_numbers_and_fit():
+    """GLM-5 (744B-A40B): ~420 GB at int4, a 1.5 TB BF16 download; DeepSeek-V3.1 671B; Kimi-K2 1T
+    (not offered yet: pending). The fit check streams them, or says what is missing."""
+    from models.catalog import fit, load
+    offered = {e.repo: e for e in load()}
+    every = {e.repo: e for e in load(include_pending=True)}
+    assert "moonshotai/Kimi-K2-Instruct" not in offered and every["moonshotai/Kimi-K2-Instruct"].pending
+    glm5 = offered["zai-org/GLM-5"]
+    assert 740 < glm5.params_b < 748 and 39 < glm5.active_b < 43
+    assert 400 < glm5.disk_gb < 440 and 1450 < glm5.download_gb < 1550 and glm5.mtp_gb > 0
+    assert 670 < offered["deepseek-ai/DeepSeek-V3.1"].params_b < 672
+    assert 1000 < every["moonshotai/Kimi-K2-Instruct"].params_b < 1050
+    s = fit(glm5, ".", available_ram=128 * G, free=3000 * G)
+    assert s.verdict == "stream" and 0 < s.tok_s < 1 and "streams from disk" in s.text
+    assert "4096-token context 0.9 GB" in s.text
+    assert s.need_disk_gb == pytest.approx(glm5.download_gb + glm5.disk_gb + glm5.mtp_gb)
+    d = fit(glm5, ".", available_ram=128 * G, free=1000 * G)
+    assert d.verdict == "no-disk" and d.short == "too little disk" and "needs 1933 GB" in d.text
+    r = fit(glm5, ".", available_ram=16 * G, free=3000 * G)
+    assert r.verdict == "no-ram" and f"{glm5.min_ram_gb:.0f} GB" in r.text
+    # a machine that holds it all: in RAM
+    assert fit(glm5, ".", available_ram=1000 * G, free=3000 * G).verdict == "ram"
+
+
+# --- the wizard lists it ---------------------------------------------------------------------------
+from tests.test_wizard import env, make_app, repo_dir, wizard_shown  # noqa: E402,F401  (fixtures)
+
+
+def test_the_wizard_lists_glm5_streaming(env, monkeypatch):
+    """The catalog with GLM-5 on a 64 GB machine with 3 TB free: its row says it streams, the line
+    under the table gives the speed and the 4096-token context's cost; Kimi-K2 is not offered."""
+    from collections import namedtuple
+
+    import psutil
+
+    from models import catalog
+    pytest.importorskip("textual")
+    monkeypatch.setattr(catalog, "CATALOG", Path(catalog.__file__).resolve().parent / "catalog.toml")
+    VM = namedtuple("VM", "total available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VM(64 * G, 60 * G))
+    monkeypatch.setattr(catalog, "free_disk", lambda directory: 3000 * G)
+
+    async def run():
+        app = make_app()
+        async with app.run_test(size=(130, 45)) as pilot:
+            await wait_for(pilot, lambda: wizard_shown(app))
+            wiz = app.screen
+            table = wiz.query_one("#catalog")
+            await wait_for(pilot, lambda: table.row_count > 0)
+            keys = [r.key.value for r in table.ordered_rows]
+            assert "zai-org/GLM-5" in keys and "moonshotai/Kimi-K2-Instruct" not in keys
+            row = keys.index("zai-org/GLM-5")
+            cells = [str(c) for c in table.get_row("zai-org/GLM-5")]
+            assert "743.9B (41.8B)" in cells and any(c.startswith("streams ≈") for c in cells)
+            assert "419.8 GB" in cells and "1507.7 GB" in cells           # int4 container, BF16 download
+            table.move_cursor(row=row)
+            await pilot.pause()
+            detail = str(wiz.query_one("#fit-detail").render())
+            assert "zai-org/GLM-5 · streams from disk" in detail and "4096-token context 0.9 GB" in detail
+    asyncio.run(run())
