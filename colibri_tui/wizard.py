@@ -314,7 +314,7 @@ class SetupWizard(Screen):
     def _row_selected(self, event: DataTable.RowSelected) -> None:
         e = self._entries.get(event.row_key.value)
         if e is not None:
-            self._choose_hub(e.repo, e.name, e.download_gb + e.disk_gb)
+            self._choose_hub(e.repo, e.name, e.download_gb + e.disk_gb + e.mtp_gb)   # as fit()'s need
 
     @on(Button.Pressed, "#use-repo")
     @on(Input.Submitted, "#repo")
