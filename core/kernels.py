@@ -380,3 +380,69 @@ def softmax_topk(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np
     if norm:
         weights = weights / weights.sum(axis=1, keepdims=True)
     return top, weights.astype(np.float32)
+
+
+# --- multi-head latent attention (core.blocks.mla; cython_kernels/mla_block.h) -----------------
+
+def weight_rows(w: Weight, r0: int, r1: int) -> Weight:
+    """Rows [r0, r1) of a matrix, in its own scheme (views of its bytes and scales, no copy)."""
+    if w.scheme == "dense":
+        return Weight("dense", (r1 - r0, w.shape[1]), w.data[r0:r1])
+    if w.scheme in ("int4", "int8"):
+        return Weight(w.scheme, (r1 - r0, w.shape[1]), w.data[r0:r1], w.scales[r0:r1], w.group_size)
+    raise ValueError(f"unknown weight scheme {w.scheme}")
+
+
+def matmul_t(x: np.ndarray, w: Weight) -> np.ndarray:
+    """y = x @ W for x float32 [T, O] and W [O, I] (the transposed product of ``matmul``);
+    returns float32 [T, I]. Compiled int4 / int8 (the same bits for every SIMD variant and thread
+    count: each column sums its O terms in order); from SGEMM_MIN_ROWS rows an int4 W is
+    dequantized and handed to sgemm, as matmul does; dense and the numpy path: x @ dequant(W)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if w.scheme == "dense":
+        return x @ np.asarray(w.data, dtype=np.float32)
+    if w.scheme == "int4":
+        if _compiled is not None and not _sgemm_rows(x.shape[0]):
+            return _compiled.q4_matmul_t(x, w.data, w.scales, w.shape[1], w.group_size)
+        if _compiled is not None:
+            return x @ _dequantized(w)
+        return x @ quant.dequantize_int4(w.data, w.scales, w.shape[1], w.group_size)
+    if w.scheme == "int8":
+        if _compiled is not None:
+            return _compiled.q8_matmul_t(x, w.data, w.scales)
+        return x @ quant.dequantize_int8(w.data, w.scales)
+    raise ValueError(f"unknown weight scheme {w.scheme}")
+
+
+def attend_latent(q: np.ndarray, rows: np.ndarray, scale: np.float32, dv: int) -> np.ndarray:
+    """One position's attention of q [heads, D] over the latent rows [S, D] (keys and values
+    alike, float32 or the opt-in float16): [heads, dv], each head's first dv output values.
+    Compiled: the rows are read once for all heads (cython_kernels/mla_block.h); numpy: the
+    one-kv-head case of ``attention``."""
+    if _compiled is not None:
+        return _compiled.attend_latent(np.ascontiguousarray(q, dtype=np.float32), rows, float(scale), dv)
+    H, D = q.shape
+    out = attention(q[None], rows[None], rows[None], scale, np.array([rows.shape[0] - 1]), None)
+    return out.reshape(H, D)[:, :dv]
+
+
+def mla_block(mats: dict, biases: tuple, in_norm, q_a_norm, kv_a_norm, eps: float, hidden: int,
+              heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope: int, qk_rope: int,
+              v_head_dim: int):
+    """Multi-head latent attention for one decode position as one compiled call
+    (cython_kernels/mla_block.h), or None where it does not apply: no extension, or the matrices
+    (mats: q_a (with a q-LoRA), q (q_b or q_proj), kv_a, kv_b, o) not all int4 with one group
+    size. Called as block(x, cos, sin, latent, pos, scale) -> [1, hidden]: with in_norm, x + the
+    block; without, o_proj's output of the normed input x. The same bits as
+    core.blocks.mla.MLAAttention's step-by-step composition of these kernels."""
+    ws = [w for w in mats.values() if w is not None]
+    if _compiled is None or not all(w.scheme == "int4" and w.group_size == ws[0].group_size for w in ws):
+        return None
+    pair = lambda w: None if w is None else (w.data, w.scales)
+    try:
+        return _compiled.MLABlock(pair(mats.get("q_a")), pair(mats["q"]), pair(mats["kv_a"]),
+                                  pair(mats["kv_b"]), pair(mats["o"]), ws[0].group_size, biases,
+                                  in_norm, q_a_norm, kv_a_norm, eps, hidden, heads, q_lora_rank,
+                                  kv_lora_rank, qk_nope, qk_rope, v_head_dim)
+    except ValueError:      # shapes the block does not take: the step-by-step path runs instead
+        return None

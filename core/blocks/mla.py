@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import kernels
 from ..cache_kinds import IndexKeys, Latent
-from .common import Need, biased, float32_matrix, linear
+from .common import Need, linear
 
 LATENT_NORM_EPS = 1e-6      # DeepseekV3RMSNorm's default: q_a / kv_a layernorms never get rms_norm_eps
 INDEX_NORM_EPS = 1e-6       # the indexer's nn.LayerNorm(eps=1e-6)
@@ -123,13 +123,13 @@ class MLAAttention:
         self.kv_a, self.kv_a_bias = c.load(p + "kv_a_proj_with_mqa.weight"), opt("kv_a_proj_with_mqa.bias")
         self.kv_a_norm = kernels.vector(c.load(p + "kv_a_layernorm.weight"))
         self.o, self.o_bias = c.load(p + "o_proj.weight"), opt("o_proj.bias")
-        # the absorbed form's per-head matrices, float32 (their values in the container's scheme):
-        # W_kb [heads, nope, rank] takes queries into latent space, W_vb [heads, v, rank] brings
-        # the attended latent back. TODO: read them int4 with a transposed compiled product.
-        kv_b = float32_matrix(c.load(p + "kv_b_proj.weight")).reshape(
-            spec.heads, spec.qk_nope + spec.v_head_dim, spec.kv_lora_rank)
-        self.w_kb = np.ascontiguousarray(kv_b[:, : spec.qk_nope])
-        self.w_vb_t = np.ascontiguousarray(kv_b[:, spec.qk_nope:].transpose(0, 2, 1))     # [heads, rank, v]
+        # the absorbed form's per-head matrices, kept in the container's scheme (row views of
+        # kv_b_proj, no copy): W_kb_h [nope, rank] takes head h's query into latent space
+        # (matmul_t), W_vb_h [v, rank] brings the attended latent back (matmul)
+        self.kv_b = c.load(p + "kv_b_proj.weight")
+        per, nope = spec.qk_nope + spec.v_head_dim, spec.qk_nope
+        self.w_kb = [kernels.weight_rows(self.kv_b, h * per, h * per + nope) for h in range(spec.heads)]
+        self.w_vb = [kernels.weight_rows(self.kv_b, h * per + nope, (h + 1) * per) for h in range(spec.heads)]
         self.scale = np.float32(spec.scale)
         ix = spec.indexer
         if ix is not None:
@@ -138,8 +138,49 @@ class MLAAttention:
             self.ix_norm_w = kernels.vector(c.load(q + "k_norm.weight"))
             self.ix_norm_b = kernels.vector(c.load(q + "k_norm.bias"))
             self.ix_weights = c.load(q + "weights_proj.weight")
+        # decode's compiled step (input already normed, no residual: the engine's step-by-step
+        # call), or None (weights not all int4 with one group size, no extension)
+        self.fast = self._compiled(None, 0.0)
+
+    def _compiled(self, input_norm, eps: float):
+        s = self.spec
+        mats = {"q_a": self.q_a if s.q_lora_rank else None, "q": self.q_b if s.q_lora_rank else self.q,
+                "kv_a": self.kv_a, "kv_b": self.kv_b, "o": self.o}
+        return kernels.mla_block(mats, (getattr(self, "q_a_bias", None), self.kv_a_bias, self.o_bias),
+                                 input_norm, getattr(self, "q_a_norm", None), self.kv_a_norm, eps,
+                                 s.hidden, s.heads, s.q_lora_rank, s.kv_lora_rank, s.qk_nope,
+                                 s.qk_rope, s.v_head_dim)
+
+    def decode_block(self, input_norm, eps: float):
+        """The whole decode step of the layer's attention -- input norm, this block, the residual
+        add -- as one compiled call block(x, cos, sin, latent, pos, scale) -> x + attn(norm(x)),
+        or None. (The engine's compiled-block protocol hands the block KV views only, so today
+        the engine reaches ``self.fast`` through ``__call__`` instead; see _decode.)"""
+        return self._compiled(input_norm, eps)
+
+    def _decode(self, i, h, cos, sin, cache, pos, ctx):
+        """One position through the compiled block where it applies, else None. DSA: when every
+        visible position is selected (full layer: pos + 1 <= index_topk; shared layer: the layer
+        before chose "all") the layer is dense attention; the indexer's key for this position
+        is still computed and cached by the numpy step (_select, which then skips the scores)."""
+        s = self.spec
+        if self.fast is None or h.shape[0] != 1 or not getattr(ctx, "fused_attention", True):
+            return None
+        if s.indexer is not None:
+            if int(pos[0]) + 1 > s.indexer.topk:
+                return None
+            ctx.pass_state["dsa_allowed"] = self._select(i, h, None, cos, sin, cache, pos)
+        elif s.shared_index and ctx.pass_state.get("dsa_allowed") is not None:
+            return None
+        cache.ensure(i, cache.length + 1)
+        return self.fast(np.ascontiguousarray(h, dtype=np.float32), np.ascontiguousarray(cos, dtype=np.float32),
+                         np.ascontiguousarray(sin, dtype=np.float32), cache.arrays[i]["latent"],
+                         cache.length, self.scale)
 
     def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
+        out = self._decode(i, h, cos, sin, cache, pos, ctx)
+        if out is not None:
+            return out
         s, T = self.spec, h.shape[0]
         if s.q_lora_rank:
             q_resid = kernels.rms_norm(linear(h, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
@@ -159,11 +200,19 @@ class MLAAttention:
         elif s.shared_index:
             allowed = ctx.pass_state["dsa_allowed"]
         # absorbed: queries into latent space, one key/value head over the latent rows
-        q_lat = np.matmul(q_nope.transpose(1, 0, 2), self.w_kb).transpose(1, 0, 2)          # [T, heads, rank]
-        qq = np.ascontiguousarray(np.concatenate([q_lat, q_rot], axis=-1), dtype=np.float32)
-        o = self._attend(qq, rows, pos, allowed)[..., : s.kv_lora_rank]                    # [T, heads, rank]
-        out = np.matmul(o.transpose(1, 0, 2), self.w_vb_t).transpose(1, 0, 2)              # [T, heads, v]
-        return linear(np.ascontiguousarray(out.reshape(T, s.heads * s.v_head_dim)), self.o, self.o_bias)
+        rank = s.kv_lora_rank
+        qq = np.empty((T, s.heads, rank + s.qk_rope), np.float32)
+        for hd in range(s.heads):
+            qq[:, hd, :rank] = kernels.matmul_t(q_nope[:, hd], self.w_kb[hd])
+        qq[..., rank:] = q_rot
+        if T == 1 and allowed is None:
+            o = kernels.attend_latent(qq[0], rows[0], self.scale, rank)[None]             # [1, heads, rank]
+        else:
+            o = self._attend(qq, rows, pos, allowed)[..., :rank]                         # [T, heads, rank]
+        out = np.empty((T, s.heads, s.v_head_dim), np.float32)
+        for hd in range(s.heads):
+            out[:, hd] = kernels.matmul(o[:, hd], self.w_vb[hd])
+        return linear(out.reshape(T, s.heads * s.v_head_dim), self.o, self.o_bias)
 
     def _attend(self, q: np.ndarray, rows: np.ndarray, pos: np.ndarray, allowed) -> np.ndarray:
         """q [T, heads, D] over the latent rows [1, S, D] (keys and values alike): [T, heads, D]."""
@@ -182,15 +231,20 @@ class MLAAttention:
             out[t: t + B] = np.matmul(scores, keys)
         return out
 
-    def _select(self, i, h, q_resid, cos, sin, cache, pos) -> np.ndarray:
-        """The indexer's choice for each query row: allowed [T, S] (causal and among the top-k)."""
+    def _select(self, i, h, q_resid, cos, sin, cache, pos):
+        """The indexer's choice for each query row: allowed [T, S] (causal and among the top-k),
+        or None when no row sees more than top-k positions (every visible one is selected: dense
+        causal attention; the scores are then not computed). This position's index key is
+        cached either way."""
         ix, T = self.spec.indexer, h.shape[0]
         r = ix.rope
-        q = kernels.matmul(q_resid, self.ix_q).reshape(T, ix.heads, ix.head_dim)
-        q = np.concatenate([rope_interleaved(q[..., :r], cos, sin), q[..., r:]], axis=-1)
         k = layer_norm(kernels.matmul(h, self.ix_k), self.ix_norm_w, self.ix_norm_b, INDEX_NORM_EPS)
         k = np.concatenate([rope_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]], axis=-1)
         keys = cache.append_part(i, "index", k[:, None, :])[0].astype(np.float32, copy=False)   # [S, d]
+        if int(pos.max()) + 1 <= ix.topk:
+            return None
+        q = kernels.matmul(q_resid, self.ix_q).reshape(T, ix.heads, ix.head_dim)
+        q = np.concatenate([rope_interleaved(q[..., :r], cos, sin), q[..., r:]], axis=-1)
         S = keys.shape[0]
         scores = np.maximum(np.matmul(q, keys.T) * np.float32(ix.head_dim ** -0.5), np.float32(0))  # [T, heads, S]
         w = kernels.matmul(h, self.ix_weights) * np.float32(ix.heads ** -0.5)                # [T, heads]
