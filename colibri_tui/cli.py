@@ -432,6 +432,8 @@ def cmd_plan(args) -> int:
           f"({plan.mode}; available {gb(plan.available_bytes)})")
     print(f"KV cache         {gb(plan.kv_bytes_per_position * 1024)} per 1024 positions"
           + (f" ({gb(plan.kv_reserved_bytes)} kept free for it)" if plan.mode == "auto" else ""))
+    from core.cache_kinds import describe
+    print(f"per position     {plan.kv_bytes_per_position:,} bytes: {describe(spec.cache_kinds, args.kv_cache)}")
     print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
     print(f"projected hits   {plan.projected_hit_rate:.1%}")
     print(f"bound by         {plan.bound}")

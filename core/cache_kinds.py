@@ -41,6 +41,9 @@ class KV(_Growing):
     def parts(self):
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
+    def describe(self) -> str:
+        return f"keys + values ({self.num_kv_heads} x {self.head_dim} each)"
+
 
 @dataclass(frozen=True)
 class Latent(_Growing):
@@ -55,6 +58,9 @@ class Latent(_Growing):
     def parts(self):
         return {"latent": (1, self.rank + self.rope)}
 
+    def describe(self) -> str:
+        return f"latent ({self.rank} + {self.rope} rope)"
+
 
 @dataclass(frozen=True)
 class IndexKeys(_Growing):
@@ -64,6 +70,9 @@ class IndexKeys(_Growing):
 
     def parts(self):
         return {"index": (1, self.dim)}
+
+    def describe(self) -> str:
+        return f"index keys ({self.dim})"
 
 
 def layer_kinds(entry) -> tuple:
@@ -79,3 +88,18 @@ def bytes_per_position(kinds, dtype: str = "float32") -> int:
 def fixed_bytes(kinds, dtype: str = "float32") -> int:
     """Bytes the caches take whatever the context (recurrent state and the like)."""
     return sum(k.fixed_bytes(dtype) for e in kinds for k in layer_kinds(e))
+
+
+def describe(kinds, dtype: str = "float32") -> str:
+    """What the layers keep per position, e.g. "latent (512 + 64 rope) + index keys (128) on 76
+    layers, latent (512 + 64 rope) on 2 layers: 2,344 bytes each" -- for coli plan."""
+    groups: dict[tuple, int] = {}
+    for entry in kinds:
+        key = layer_kinds(entry)
+        groups[key] = groups.get(key, 0) + 1
+    parts = []
+    for key, n in groups.items():
+        what = " + ".join(getattr(k, "describe", lambda k=k: k.name)() for k in key)
+        each = sum(k.bytes_per_position(dtype) for k in key)
+        parts.append(f"{what} on {n} layer{'s' if n != 1 else ''}: {each:,} bytes each")
+    return "; ".join(parts)

@@ -70,3 +70,26 @@ def test_the_engine_refuses_a_kind_it_does_not_run():
     spec.cache_kinds = []
     spec.__post_init__()
     assert KVCache(spec).k[1].shape == (1, 0, 4)
+
+
+def test_coli_plan_states_the_bytes_per_position_of_each_kind(containers, capsys):
+    """GLM-5's layers keep the MLA latent (+ DSA index keys on full layers), not expanded K/V:
+    coli plan says so, with the bytes (issue 17)."""
+    from colibri_tui.cli import main as coli
+    from core.cache_kinds import IndexKeys, Latent
+    from models import family_for
+    import json
+    path = containers("glmdsa-a", 4)
+    cfg = json.loads((path / "config.json").read_text())
+    spec = family_for(cfg).spec(cfg)
+    rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    full = (Latent(rank, rope), IndexKeys(cfg["index_head_dim"]))
+    assert spec.cache_kinds == [full if t == "full" else Latent(rank, rope) for t in cfg["indexer_types"]]
+    per_position = sum(k.bytes_per_position() for e in spec.cache_kinds
+                       for k in (e if isinstance(e, tuple) else (e,)))
+    assert per_position == 4 * sum((rank + rope + (cfg["index_head_dim"] if t == "full" else 0))
+                                   for t in cfg["indexer_types"])
+    assert coli(["plan", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("per position"))
+    assert f"{per_position:,} bytes" in line and f"latent ({rank} + {rope} rope)" in line and "index keys" in line
