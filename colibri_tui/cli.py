@@ -58,6 +58,13 @@ def _add_model(p, store=True):
     p.add_argument("--o-direct", action="store_true", help="read experts with O_DIRECT")
 
 
+def add_prefix_cache_flag(p) -> None:
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full: no reuse of the positions an earlier "
+                        "generation's cache shares with it (outputs then equal a fresh run's bit for "
+                        "bit; reuse changes them by float rounding, see README)")
+
+
 POLICY_HELP = ("RAM cache policy: lfru (default: recent and frequent), lru (least recently used), "
                "markov (routing transitions; more memory) or pinned (hottest experts from the usage history)")
 
@@ -75,9 +82,11 @@ def _open(args):
     from models import DEFAULT_POLICY
     from core import kernels
     kernels.set_int8_activations(getattr(args, "int8_activations", False))
-    return open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
-                      policy=args.policy or DEFAULT_POLICY, prefetch=not args.no_prefetch,
-                      o_direct=args.o_direct, kv_cache=args.kv_cache)
+    engine = open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
+                        policy=args.policy or DEFAULT_POLICY, prefetch=not args.no_prefetch,
+                        o_direct=args.o_direct, kv_cache=args.kv_cache)
+    engine.prefix_cache = not getattr(args, "no_prefix_cache", False)
+    return engine
 
 
 def _epilog() -> str:
@@ -147,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when TEXT is generated (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--trace", metavar="FILE", help="record routing (position, layer, experts) to FILE")
+    add_prefix_cache_flag(p)
 
     p = sub.add_parser("logits", help="teacher-forced logits for token ids, saved as .npy")
     _add_model(p)

@@ -21,6 +21,14 @@ class _Growing:
     """A kind whose arrays grow by one row per position: ``parts()`` names them, each
     [lead, positions, width] (head-major: one head's positions contiguous, as attention reads them)."""
 
+    # Prompt-prefix reuse (core.prefix_cache) keeps a finished cache and continues it with a
+    # prompt that shares a prefix, dropping the rest: a growing kind's row for a position depends
+    # only on the positions before it, so dropping positions is ``cache.length = n``. A kind
+    # that folds every position into one fixed-size state (a linear-attention layer's recurrent
+    # and conv state) cannot go back: it sets this False, and the pool then continues such a
+    # cache only at its very end (a turn boundary), never truncating it.
+    truncatable = True
+
     def parts(self) -> dict[str, tuple[int, int]]:
         raise NotImplementedError
 

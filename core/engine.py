@@ -321,9 +321,34 @@ class Engine:
         return logits[-1]
 
     # --- generation ----------------------------------------------------------------------------
+    # Prompt-prefix reuse (core.prefix_cache): a finished generation's cache stays in a small pool
+    # with the ids its positions hold (the prompt and the generated tokens fed back; the last
+    # sampled token never is), and the next generate() continues the entry sharing the longest
+    # prefix with its prompt, computing only the positions after it. False (--no-prefix-cache):
+    # every generation prefills its whole prompt in a fresh cache, the bits of one batched pass.
+    prefix_cache = True
+    prefix_cache_entries = 4     # cached sequences at most (the server's clients; the app's chats)
+
+    @property
+    def prefixes(self):
+        """The pool of finished caches (core.prefix_cache.PrefixPool), bounded by the RAM the
+        planner keeps free for caches (Plan.kv_reserved_bytes)."""
+        pool = getattr(self, "_prefixes", None)
+        if pool is None:
+            from . import cache_kinds
+            from .prefix_cache import PrefixPool, can_truncate
+            plan = getattr(self, "plan", None)
+            budget = getattr(plan, "kv_reserved_bytes", 0) or (
+                cache_kinds.bytes_per_position(self.spec.cache_kinds, self.kv_dtype.name)
+                * kv_reserved_positions(self.spec))
+            pool = self._prefixes = PrefixPool(budget, self.prefix_cache_entries,
+                                               truncatable=can_truncate(self.spec), release=self.recycle_cache)
+        return pool
+
     def cancel(self) -> None:
         """Stop the running generate() soon: before the next token, or within a prefill (between
-        chunks, layers and expert batches); it then ends with Done("cancelled")."""
+        chunks, layers and expert batches); it then ends with Done("cancelled"). Only the
+        generation running now: each has its own flag (generate(cancel=...))."""
         self._cancel.set()
 
     def _check_cancel(self) -> None:
@@ -345,31 +370,60 @@ class Engine:
             raise ColiError(f"chat template: {e}") from None
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: Iterable[str] = (),
-                 max_new_tokens: int = 256, raw: bool = False) -> Iterator[Token | Stats | Done]:
+                 max_new_tokens: int = 256, raw: bool = False,
+                 cancel: threading.Event | None = None) -> Iterator[Token | Stats | Done]:
+        """The events of one generation. The prompt is checked here, at the call (ColiError: no
+        tokenizer, an empty prompt, past the model's context); the work starts at the first
+        next(). ``cancel``: this generation's own flag (set it to stop this one and no other;
+        Engine.cancel() sets the running generation's)."""
         sampling = sampling or SamplingParams()
         ids = self.prompt_ids(prompt, raw=raw)
         if not ids:
             raise ColiError("empty prompt")
         self._check_context(len(ids), "the prompt")
-        self._cancel.clear()
-        sample, cache = Sampler(sampling), self.new_cache()
+        return self._run(ids, Sampler(sampling), stop, max_new_tokens,
+                         cancel if cancel is not None else threading.Event())
+
+    def _run(self, ids, sample, stop, max_new_tokens, flag):
+        self._cancel = flag
+        if self.prefix_cache:
+            cache, cached, logits = self.prefixes.take(ids, self.new_cache)
+        else:
+            cache, cached, logits = self.new_cache(), 0, None
+        turn = {"cached": cached, "logits": logits, "new": []}
+        keep = False
         self._cancel_checks = True
         try:
-            yield from self._generate(ids, sample, cache, stop, max_new_tokens)
+            yield from self._generate(ids, sample, cache, stop, max_new_tokens, turn)
+            keep = True
+        except GeneratorExit:        # the listener closed it between two events: the cache is whole
+            keep = True
+            raise
         finally:
             self._cancel_checks = False
-            self.recycle_cache(cache)
+            if keep and self.prefix_cache:
+                # the positions committed: the prompt, then the generated tokens fed back
+                self.prefixes.put((ids + turn["new"])[: cache.length], cache, len(ids), turn["logits"])
+            else:
+                self.recycle_cache(cache)
 
-    def _generate(self, ids, sample, cache, stop, max_new_tokens):
+    def _generate(self, ids, sample, cache, stop, max_new_tokens, turn=None):
+        """turn (prefix reuse): "cached", the prompt's first positions the cache holds already;
+        "logits", the last prompt position's when it holds them all (else None: computed, and
+        left there); "new", the list the generated ids go into (the cache's ids, with the prompt)."""
+        turn = {"cached": 0, "logits": None, "new": []} if turn is None else turn
+        cached, new = turn["cached"], turn["new"]
         stops = [s for s in stop if s]
         decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
         eos = set(self.spec.eos_token_ids)
         self.store.reset_stats()
         self.reset_counters()
         t0 = time.perf_counter()
-        new, text, emitted, reason = [], "", 0, "length"
+        text, emitted, reason, matched = "", 0, "length", None
+        logits = turn["logits"]
         try:
-            logits = self.prefill(ids, cache)
+            if logits is None:
+                logits = turn["logits"] = self.prefill(ids[cached:], cache)
         except _Cancelled:
             logits, reason = None, "cancelled"
         t_prefill = time.perf_counter() - t0
@@ -388,10 +442,10 @@ class Engine:
             if final:
                 extra.update(ids=list(new), text=text, reason=reason)
             return Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,
-                         prefill_tok_s=len(ids) / t_prefill if t_prefill > 0 else 0.0,
+                         prefill_tok_s=(len(ids) - cached) / t_prefill if t_prefill > 0 else 0.0,
                          decode_tok_s=steps / elapsed if steps and elapsed > 0 else 0.0,
                          hit_rate=st.get("hit_rate", 1.0), bytes_read=st.get("bytes_read", 0),
-                         peak_rss_bytes=peak_rss_bytes(), extra=extra)
+                         peak_rss_bytes=peak_rss_bytes(), cached_tokens=cached, extra=extra)
         while reason != "cancelled" and len(new) < max_new_tokens:
             if self._cancel.is_set():
                 reason = "cancelled"
@@ -403,7 +457,7 @@ class Engine:
             new.append(tok)
             piece = decoder.push(tok) if decoder is not None else ""
             text += piece
-            hit = min((text.find(s) for s in stops if s in text), default=-1)
+            hit, matched = min(((text.find(s), s) for s in stops if s in text), default=(-1, None))
             if hit >= 0:
                 text, reason = text[:hit], "stop"
                 yield Token(tok, text[emitted:])
@@ -430,4 +484,4 @@ class Engine:
                 yield Token(-1, text[emitted:])     # held-back tail, no new token
         self.save_usage()
         yield stats(final=True)
-        yield Done(reason)
+        yield Done(reason, stop=matched)

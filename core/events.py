@@ -20,11 +20,13 @@ class Stats:
     hit_rate: float = 1.0
     bytes_read: int = 0
     peak_rss_bytes: int = 0
+    cached_tokens: int = 0     # prompt positions a previous generation's cache held (prefix reuse)
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("prompt_tokens", "new_tokens", "ttft_s", "prefill_tok_s",
-                                          "decode_tok_s", "hit_rate", "bytes_read", "peak_rss_bytes")}
+                                          "decode_tok_s", "hit_rate", "bytes_read", "peak_rss_bytes",
+                                          "cached_tokens")}
         d.update(self.extra)
         return d
 
@@ -32,3 +34,4 @@ class Stats:
 @dataclass
 class Done:
     reason: str        # 'eos' | 'stop' | 'length' | 'cancelled' | 'context' (the model's context is full)
+    stop: str | None = None    # reason 'stop': the stop string that matched (the text ends before it)

@@ -94,8 +94,10 @@ def test_long_prompts_are_prefilled_in_chunks():
 def test_generations_reuse_the_kv_memory_and_give_the_same_tokens():
     """A finished generation hands its KV arrays to the next (their pages are mapped already);
     the stale positions they hold never reach attention: a repeated prompt gives the same
-    tokens and logits after a longer and a shorter conversation."""
+    tokens and logits after a longer and a shorter conversation. (Without prefix reuse: with
+    it, a finished cache stays in the engine's pool instead -- tests/test_prefix_cache.py.)"""
     engine = open_model(DEMO, threads=1)
+    engine.prefix_cache = False
     greedy = SamplingParams(greedy=True)
 
     def run(prompt, n):

@@ -517,7 +517,8 @@ def test_anthropic_messages_with_system_stop_sequences_and_streaming(demo_server
     msgs = [{"role": "system", "content": system}] + FORTUNE
     want = direct(demo, msgs, sampling=SamplingParams(greedy=True), max_new_tokens=30)
     assert r.content[0].type == "text" and r.content[0].text == want and want
-    assert r.usage.input_tokens == len(demo.prompt_ids(msgs))
+    # computed + read from the cache (a prefix earlier requests shared: prefix reuse)
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(demo.prompt_ids(msgs))
     assert r.usage.output_tokens >= 1 and r.role == "assistant" and r.model == DEMO
     assert r.stop_reason == ("max_tokens" if r.usage.output_tokens == 30 else "end_turn")
     with c.messages.stream(model=DEMO, max_tokens=30, system=system, messages=FORTUNE, extra_body={"temperature": 0}) as st:

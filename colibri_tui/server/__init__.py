@@ -41,6 +41,10 @@ def add_parser(sub, add_model) -> None:
                    help="allow browser requests from ORIGIN (repeatable; default: CORS off)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full; by default the caches of recent requests are "
+                        "kept and a prompt starting like one of them prefills only the rest "
+                        "(usage.prompt_tokens_details.cached_tokens, cache_read_input_tokens)")
 
 
 def is_loopback(host: str) -> bool:

@@ -169,17 +169,10 @@ class ServeState:
             raise ApiError(503, "the server is shutting down", kind="overloaded_error") from None
         return job
 
-    def stop_sequence(self, stats, text: str, stop_list: list[str]) -> str | None:
-        """Which stop string ended the reply (the engine cuts the text before it)."""
-        ids = (stats.extra.get("ids") if stats is not None else None) or []
-        try:
-            full = self.engine.tokenizer.decode(ids)
-        except Exception:
-            full = text
-        for s in stop_list:
-            if full.startswith(s, len(text)):
-                return s
-        return next((s for s in stop_list if s in full), stop_list[0] if stop_list else None)
+    @staticmethod
+    def stop_sequence(job: Job, stop_list: list[str]) -> str | None:
+        """Which stop string ended the reply: the engine says (Done.stop)."""
+        return job.matched if job.matched is not None else (stop_list[0] if stop_list else None)
 
 
 async def _items(job: Job):
@@ -221,13 +214,22 @@ async def _collect(state: ServeState, request: Request, job: Job) -> dict:
     return out
 
 
-def _usage_counts(stats, ids) -> tuple[int, int]:
-    return len(ids), (stats.new_tokens if stats is not None else 0)
+def _usage_counts(stats, ids) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens, prompt tokens a cached prefix gave: not computed)."""
+    return (len(ids), stats.new_tokens if stats is not None else 0,
+            getattr(stats, "cached_tokens", 0) if stats is not None else 0)
 
 
-def _openai_usage(prompt: int, completion: int) -> dict:
+def _openai_usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage: prompt_tokens counts the cached ones too (prompt_tokens_details)."""
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _anthropic_usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """Anthropic's usage: input_tokens are the ones computed, cache_read_input_tokens the rest."""
+    return {"input_tokens": prompt - cached, "output_tokens": completion,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def _sse(obj) -> str:
@@ -367,12 +369,12 @@ async def chat_completions(request: Request, state: ServeState) -> Response:
         t0 = time.monotonic()
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/chat/completions", time.monotonic() - t0)
-        p, c = _usage_counts(r["stats"], ids)
+        p, c, cached = _usage_counts(r["stats"], ids)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
                          "logprobs": None, "finish_reason": OPENAI_FINISH.get(r["reason"], "stop")}],
-            "usage": _openai_usage(p, c), "system_fingerprint": None})
+            "usage": _openai_usage(p, c, cached), "system_fingerprint": None})
 
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
@@ -403,8 +405,8 @@ async def _openai_frames(job, ids, head: dict, include_usage: bool, text, final,
             return
     yield _sse(final(OPENAI_FINISH.get(reason, "stop")))
     if include_usage:
-        p, c = _usage_counts(stats, ids)
-        yield _sse({**head, "choices": [], "usage": _openai_usage(p, c)})
+        p, c, cached = _usage_counts(stats, ids)
+        yield _sse({**head, "choices": [], "usage": _openai_usage(p, c, cached)})
     yield "data: [DONE]\n\n"
 
 
@@ -443,10 +445,10 @@ async def completions(request: Request, state: ServeState) -> Response:
         t0 = time.monotonic()
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/completions", time.monotonic() - t0)
-        p, c = _usage_counts(r["stats"], ids)
+        p, c, cached = _usage_counts(r["stats"], ids)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
                              "choices": [choice(r["text"], OPENAI_FINISH.get(r["reason"], "stop"))],
-                             "usage": _openai_usage(p, c), "system_fingerprint": None})
+                             "usage": _openai_usage(p, c, cached), "system_fingerprint": None})
 
     head = {"id": cid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None}
@@ -496,13 +498,13 @@ async def messages(request: Request, state: ServeState) -> Response:
         t0 = time.monotonic()
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/messages", time.monotonic() - t0)
-        p, c = _usage_counts(r["stats"], ids)
+        p, c, cached = _usage_counts(r["stats"], ids)
         reason = ANTHROPIC_STOP.get(r["reason"], "end_turn")
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": r["text"]}], "stop_reason": reason,
-            "stop_sequence": state.stop_sequence(r["stats"], r["text"], stop) if reason == "stop_sequence" else None,
-            "usage": {"input_tokens": p, "output_tokens": c}})
+            "stop_sequence": state.stop_sequence(job, stop) if reason == "stop_sequence" else None,
+            "usage": _anthropic_usage(p, c, cached)})
 
     async def frames():
         yield _event("message_start", {"type": "message_start", "message": {
@@ -526,9 +528,11 @@ async def messages(request: Request, state: ServeState) -> Response:
                 return
         yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
         why = ANTHROPIC_STOP.get(reason, "end_turn")
-        seq = state.stop_sequence(stats, "".join(text), stop) if why == "stop_sequence" else None
+        seq = state.stop_sequence(job, stop) if why == "stop_sequence" else None
+        # cumulative counts: the client replaces message_start's input_tokens (the cache was not
+        # known then) with these
         yield _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": why, "stop_sequence": seq},
-                                       "usage": {"output_tokens": _usage_counts(stats, ids)[1]}})
+                                       "usage": _anthropic_usage(*_usage_counts(stats, ids))})
         yield _event("message_stop", {"type": "message_stop"})
     return _streaming(state, job, "/v1/messages", frames())
 
@@ -570,7 +574,8 @@ async def health(request: Request, state: ServeState) -> Response:
         "uptime_s": round(time.time() - state.started, 3),
         "queue": w.queue_state(),
         "requests": {k: w.counts[k] for k in ("served", "cancelled", "errors", "rejected")},
-        "tokens": {"prompt": w.counts["prompt_tokens"], "completion": w.counts["completion_tokens"]},
+        "tokens": {"prompt": w.counts["prompt_tokens"], "cached": w.counts["cached_tokens"],
+                   "completion": w.counts["completion_tokens"]},
         "store": _jsonable(state.engine.store.stats()),        # the latest generation's tier stats
         "store_totals": {k: w.totals[k] for k in ("hits", "misses", "bytes_read")},
         "last_generation": _jsonable(w.last_stats),

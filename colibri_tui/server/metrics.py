@@ -54,7 +54,9 @@ class Metrics:
                [({"outcome": k}, w.counts[k]) for k in ("served", "cancelled", "errors")])
         metric("coli_rejected_total", "counter", "Requests refused with 429 (the queue was full).",
                [({}, w.counts["rejected"])])
-        metric("coli_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [(m, w.counts["prompt_tokens"])])
+        metric("coli_prompt_tokens_total", "counter", "Prompt tokens (cached ones included).", [(m, w.counts["prompt_tokens"])])
+        metric("coli_cached_prompt_tokens_total", "counter", "Prompt tokens a cached prefix gave (not prefilled).",
+               [(m, w.counts["cached_tokens"])])
         metric("coli_completion_tokens_total", "counter", "Tokens generated.", [(m, w.counts["completion_tokens"])])
         metric("coli_prefill_seconds_total", "counter", "Seconds spent in prefill.", [(m, round(w.totals["prefill_s"], 6))])
         metric("coli_decode_seconds_total", "counter", "Seconds spent decoding.", [(m, round(w.totals["decode_s"], 6))])

@@ -4,9 +4,14 @@ The HTTP side (an asyncio event loop) submits a ``Job``; the worker thread runs
 ``engine.generate`` for one job after another and hands each event to the job's asyncio queue
 through ``loop.call_soon_threadsafe`` (the event loop never waits on the engine, so ``/health``
 answers while a prompt is prefilled). ``cancel(job)`` takes a waiting job out of the queue, or
-stops the running one: ``engine.cancel()`` (seen between layers, expert batches and attention
-blocks of a prefill, and before each token) and the worker closing the generator at the next
-event, so at most the token being computed is finished after a cancel.
+stops the running one: the job's own cancel flag, which its ``engine.generate(cancel=...)``
+watches (between layers, expert batches and attention blocks of a prefill, and before each token;
+no other job's generation sees it), and the worker closing the generator at the next event, so
+at most the token being computed is finished after a cancel.
+
+The engine keeps the caches of finished requests (prompt-prefix reuse, ``core.prefix_cache``):
+a request whose prompt starts like an earlier one (a conversation's next turn, a shared system
+prompt) prefills only the rest; the final Stats say how many were cached (``cached_tokens``).
 """
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ class Job:
     number: int = field(default_factory=lambda: next(_ids))
     state: str = "queued"            # queued | running | done
     cancelled: bool = False
+    cancel_flag: threading.Event = field(default_factory=threading.Event)   # its generation's own
+    matched: str | None = None       # the stop string that ended the reply (Done.stop)
     tokens: int = 0                  # new tokens so far
     tokens_at_cancel: int | None = None
     submitted: float = field(default_factory=time.monotonic)
@@ -108,10 +115,7 @@ class Worker:
             elif job.state == "running" and not job.cancelled:
                 job.cancelled = True
                 job.tokens_at_cancel = job.tokens
-                # only while this job is the engine's: the next job's generate() clears the flag
-                # before it starts, and current changes under this lock before that
-                if self.current is job:
-                    self.engine.cancel()
+                job.cancel_flag.set()        # this job's generation only, whenever it looks
 
     def queue_state(self) -> dict:
         with self._cond:
@@ -129,7 +133,7 @@ class Worker:
                 self._push(job, END)
             if self.current is not None and not self.current.cancelled:
                 self.current.cancelled = True
-                self.engine.cancel()
+                self.current.cancel_flag.set()
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -162,9 +166,11 @@ class Worker:
                 self._push(job, END)
 
     def _generate(self, job: Job) -> None:
-        gen = self.engine.generate(job.ids, job.sampling, stop=job.stop, max_new_tokens=job.max_new_tokens)
+        gen = None
         reason = None
         try:
+            gen = self.engine.generate(job.ids, job.sampling, stop=job.stop, max_new_tokens=job.max_new_tokens,
+                                       cancel=job.cancel_flag)
             for ev in gen:
                 if isinstance(ev, Token):
                     job.tokens += ev.id >= 0
@@ -174,7 +180,7 @@ class Worker:
                         self._account(ev)
                         self._push(job, ("stats", ev))
                 elif isinstance(ev, Done):
-                    reason = ev.reason
+                    reason, job.matched = ev.reason, ev.stop
                     self._push(job, ("done", ev.reason))
                 if job.cancelled and reason is None:
                     break            # the client is gone: not one token more
@@ -193,12 +199,14 @@ class Worker:
                 self.log.exception("generation failed")
             self._push(job, ("error", (500, f"internal error: {e.__class__.__name__}: {e}")))
         finally:
-            gen.close()
+            if gen is not None:
+                gen.close()
 
     def _account(self, st: Stats) -> None:
         d = st.as_dict()
         self.last_stats = {k: v for k, v in d.items() if k not in ("ids", "text", "routed")}
         self.counts["prompt_tokens"] += st.prompt_tokens
+        self.counts["cached_tokens"] += st.cached_tokens
         self.counts["completion_tokens"] += st.new_tokens
         for k in ("hits", "misses"):
             self.totals[k] += int(d.get(k) or 0)
