@@ -38,7 +38,9 @@ class DecoderLayer:
         self.kind = self.ffn.kind
         self.router = getattr(self.ffn, "router", None)
         # decode's attention block (and a softmax router) in one compiled call, or None (the
-        # step-by-step path); chosen by weight scheme and shape only, never by placement
+        # step-by-step path); chosen by weight scheme and shape only, never by placement. MLA has
+        # no compiled_block here: the engine's protocol passes KV views, not the latent cache, so
+        # its compiled step (MLAAttention.fast) runs inside the mixer's call at T == 1
         routes = self.router is not None and getattr(self.router, "kind", "") == "softmax_topk"
         make = getattr(self.attn, "compiled_block", None)
         self.attention_block = None if make is None else make(

@@ -8,16 +8,26 @@ interleaved layout: pairs in, halves out.
 
 The cache keeps the compressed latent and the roped key, one row of rank + rope per position
 (core.cache_kinds.Latent), and attention runs in the *absorbed* form at every length: each head's
-query is taken into latent space (q_nope @ W_kb), attends over the latent rows as one key/value
-head (MQA: the values are the same rows; the rope tail of the output is dropped), and the result
-comes back through W_vb. The same formula for prefill and decode; against transformers' expanded
-keys and values it differs by float rounding only.
+query is taken into latent space (q_nope @ W_kb, ``kernels.matmul_t``), attends over the latent
+rows as one key/value head (MQA: the values are the same rows; the rope tail of the output is
+dropped), and the result comes back through W_vb (``kernels.matmul``). W_kb / W_vb are per-head
+row views of kv_b_proj in the container's scheme (int4: 8.3 MB per GLM-5 layer where float32
+took 58.7). The same formula for prefill and decode; against transformers' expanded keys and
+values it differs by float rounding only.
+
+Decode (one position) runs as one compiled call where the weights are int4 with one group size
+(cython_kernels/mla_block.h, ``kernels.mla_block``): the bits of the step-by-step composition
+below with the same kernels (tests/test_mla_block.py). The engine reaches it through
+``__call__`` (``_decode``; off with the engine's ``fused_attention``): its compiled-block
+protocol hands a block the KV views only, not the latent cache.
 
 DSA (GLM-5): on "full" layers an indexer scores every visible position -- Σ_h w_h relu(q_h·k / √d),
 w = weights_proj(x) / √H, with its own LayerNorm-ed keys cached per position and interleaved RoPE
 on their *first* rope dims -- and attention sees only the ``index_topk`` best (ties: the lower
 position first); "shared" layers reuse the selection of the layer before. With no more visible
-positions than ``index_topk`` this is dense causal attention.
+positions than ``index_topk`` this is dense causal attention, and is run as such: the indexer
+only caches its key (the selection is None, its scores are not computed), so decode below
+index_topk positions takes the compiled block on full and shared layers alike.
 """
 from __future__ import annotations
 
