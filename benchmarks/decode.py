@@ -3,7 +3,8 @@
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
                                 [--prefill 512] [--no-torch] [--layers N]
                                 [--kv-cache float32|float16] [--int8-activations] [--repeats 1]
-                                [--busy N] [--model DIR]
+                                [--busy N] [--model DIR] [--geometry glm45air|glm5]
+                                [--context 0,4096] [--fill synthetic|prefill]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
 DIR, default /work/bench_models/olmoe-geom, and kept), opens it with every expert allowed in RAM
@@ -28,6 +29,24 @@ moves by +-0.1, the median of interleaved runs much less. Prefill and PyTorch ru
 
 ``--model DIR`` benchmarks any converted container instead (the demo model, a real checkpoint).
 
+``--geometry glm45air|glm5`` (issue 17): a random container with GLM-4.5-Air's or GLM-5's real
+per-layer sizes, a few layers deep (benchmarks/families.py; made once under /work/bench_models/
+and kept, or at ``--dir``). Every expert is loaded into RAM before the timed decode (--preload,
+implied), and the model line breaks the bytes touched per token into routed experts, lm_head,
+the rest of the dense weights and the cache attention reads (KV for GQA; the MLA latent, plus
+the DSA index keys on "full" layers, for GLM-5: core.cache_kinds' bytes per position x context).
+
+``--context 0,4096``: context lengths to decode at, each a row of the tables (thread counts and
+contexts interleave under --repeats). 0 is the short case above (the --prompt-len prompt through
+generate()); N > 0 decodes --tokens greedy tokens after N positions already in the cache, step
+by step through Engine.forward (after 2 untimed steps), so the mean context is N + 2 + tokens/2.
+``--fill`` says how the N positions get there: ``prefill`` runs Engine.prefill over N random ids
+(real, and timed: fill s in the table); ``synthetic`` (default) writes random unit-RMS rows of
+the very arrays and shapes the layers' cache kinds keep (KV / latent / index keys) and sets the
+length, which takes a second instead of minutes: attention then reads the same bytes at the same
+shapes (DSA's top-k selection runs on random scores, so which positions it picks differs, not
+how many). ``--prefill 4096`` still times one real prefill of that length in the first run.
+
 ``--busy N`` starts N busy-loop processes (one core each, as another program would) for the
 decode runs and adds ``default`` to the thread counts: the engine without ``--threads``, whose
 count follows the machine's load (core.threads). It then prints each count's median tok/s and
@@ -35,7 +54,7 @@ the default's against the best fixed count of the same run. ``--threads`` takes 
 a count too (``--threads 1,2,default``). Prefill is skipped with ``--busy``.
 
 Prefill (``--prefill T``, default 512, 0 skips): the same process then loads every expert, and
-times one forward pass over a T-token random prompt with a fresh KV cache -> prefill tok/s and
+times Engine.prefill (one forward pass per 1024 positions) over a T-token random prompt with a fresh KV cache -> prefill tok/s and
 GFLOP/s = 2 x (attention projections + router + top-k experts) params x T + 2 x lm_head params
 (the engine computes logits for the last position only) / s; attention scores (QK^T, PV) are
 left out of the count. Next to it, numpy sgemm's GFLOP/s in that process (float32
@@ -76,6 +95,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # noqa: E402
+from benchmarks.families import GEOMETRIES, LABELS, default_dir, ensure, geometry  # noqa: E402
 from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry  # noqa: E402
 from core.arch import KV_CACHES  # noqa: E402
 
@@ -83,6 +103,7 @@ from core.arch import KV_CACHES  # noqa: E402
 DEFAULT = "default"              # a --threads entry: the engine's own, load-following count
 SGEMM_SHAPE = (2048, 1024)      # (I, O) of the sgemm next to prefill: x [T, I] @ W[O, I].T
 TORCH_WARMUP = 2                 # untimed decode steps before PyTorch's timed ones
+CONTEXT_WARMUP = 2               # untimed decode steps after a --context fill
 
 
 def sgemm_gflops(T: int, min_time: float = 1.0) -> float:
@@ -105,8 +126,6 @@ def sgemm_gflops(T: int, min_time: float = 1.0) -> float:
 def child(a) -> None:
     import numpy as np
 
-    from core.events import Stats
-    from core.sampling import SamplingParams
     from models import open_model
 
     geo = expert_geometry(a.dir)
@@ -116,6 +135,35 @@ def child(a) -> None:
     engine = open_model(a.dir, cap=geo["experts_per_layer"], prefetch=False, threads=a.threads,
                         kv_cache=a.kv_cache)
     from core import kernels
+    if a.preload or a.context:
+        load_all_experts(engine, geo)
+    keep = ("attention_s", "experts_s", "lm_head_s")
+    if a.context:
+        res = context_decode(a, engine, geo)
+        res["threads_used"] = kernels.get_threads()
+    else:
+        res = prompt_decode(a, engine, geo, keep)
+    if a.prefill > 0:
+        load_all_experts(engine, geo)                  # every expert resident before timing
+        ids = [int(v) for v in np.random.default_rng(a.seed + 1).integers(1, geo["vocab_size"], a.prefill)]
+        engine.reset_counters()
+        t0 = time.perf_counter()
+        engine.prefill(ids, engine.new_cache())        # Engine.PREFILL_CHUNK positions a pass
+        dt = time.perf_counter() - t0
+        res["prefill"] = {"tokens": a.prefill, "s": dt, "tok_s": a.prefill / dt,
+                          **{k: engine.counters[k] for k in keep}}
+        res["sgemm_gflops"] = sgemm_gflops(a.prefill)
+    print(json.dumps(res, default=str))
+
+
+def prompt_decode(a, engine, geo: dict, keep) -> dict:
+    """The short case: the --prompt-len prompt decoded through generate() twice (warm-up, timed)."""
+    import numpy as np
+
+    from core import kernels
+    from core.events import Stats
+    from core.sampling import SamplingParams
+
     prompt = [int(v) for v in np.random.default_rng(a.seed).integers(1, geo["vocab_size"], a.prompt_len)]
     out = {}
     for name in ("warm-up", "timed"):
@@ -129,7 +177,6 @@ def child(a) -> None:
         out[name] = {"wall_s": time.perf_counter() - t0, "first": first, "last": last}
     f, l = out["timed"]["first"], out["timed"]["last"]
     steps = max(1, l["new_tokens"] - 1)
-    keep = ("attention_s", "experts_s", "lm_head_s")
     res = {"tok_s": l["decode_tok_s"], "steps": steps, "hit_rate": l.get("hit_rate"),
            "threads_used": kernels.get_threads(),
            "others_busy": engine.governor.others_busy if engine.governor is not None else None,
@@ -139,20 +186,54 @@ def child(a) -> None:
         logits = engine.logits(prompt)
         np.savez(a.ref, prompt=np.asarray(prompt), argmax=logits.argmax(axis=1), last=logits[-1],
                  greedy=np.asarray(l.get("ids") or [], dtype=np.int64))
-    if a.prefill > 0:
-        for i, L in enumerate(engine.layers):          # every expert resident before timing
-            if L.kind == "moe":
-                for _ in engine.store.request(i, range(geo["experts_per_layer"])):
-                    pass
-        ids = [int(v) for v in np.random.default_rng(a.seed + 1).integers(1, geo["vocab_size"], a.prefill)]
-        engine.reset_counters()
-        t0 = time.perf_counter()
-        engine.forward(ids, engine.new_cache())
-        dt = time.perf_counter() - t0
-        res["prefill"] = {"tokens": a.prefill, "s": dt, "tok_s": a.prefill / dt,
-                          **{k: engine.counters[k] for k in keep}}
-        res["sgemm_gflops"] = sgemm_gflops(a.prefill)
-    print(json.dumps(res, default=str))
+    return res
+
+
+def load_all_experts(engine, geo: dict) -> None:
+    for i, L in enumerate(engine.layers):
+        if L.kind == "moe":
+            for _ in engine.store.request(i, range(geo["experts_per_layer"])):
+                pass
+
+
+def fill_cache(engine, cache, n: int, how: str, seed: int, vocab: int) -> float:
+    """n positions into a fresh cache: 'prefill' (Engine.prefill over n random ids) or
+    'synthetic' (random unit-RMS rows written into the arrays the layers' cache kinds keep, at
+    their shapes; the length set). Seconds taken."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    if how == "prefill":
+        engine.prefill([int(v) for v in rng.integers(1, vocab, n)], cache)
+    else:
+        for i in range(len(cache.arrays)):
+            cache.ensure(i, n)
+            for arr in cache.arrays[i].values():          # [lead, capacity, width]
+                for h in range(arr.shape[0]):
+                    arr[h, :n] = rng.standard_normal((n, arr.shape[2]), dtype=np.float32)
+        cache.length = n
+    return time.perf_counter() - t0
+
+
+def context_decode(a, engine, geo: dict) -> dict:
+    """--tokens greedy decode steps after a.context positions (fill_cache), CONTEXT_WARMUP
+    untimed steps first; per-step seconds from the engine's counters."""
+    import numpy as np
+
+    cache = engine.new_cache()
+    fill_s = fill_cache(engine, cache, a.context, a.fill, a.seed + 2, geo["vocab_size"])
+    tok = int(np.random.default_rng(a.seed).integers(1, geo["vocab_size"]))
+    for _ in range(CONTEXT_WARMUP):
+        tok = int(engine.forward([tok], cache)[-1].argmax())
+    engine.reset_counters()
+    t0 = time.perf_counter()
+    for _ in range(a.tokens):
+        tok = int(engine.forward([tok], cache)[-1].argmax())
+    dt = time.perf_counter() - t0
+    keep = ("attention_s", "experts_s", "lm_head_s")
+    return {"tok_s": a.tokens / dt, "steps": a.tokens, "fill": a.fill, "fill_s": fill_s,
+            "context_end": cache.length, **{k: engine.counters[k] / a.tokens for k in keep}}
 
 
 def _last_json(r: subprocess.CompletedProcess) -> dict:
@@ -162,11 +243,15 @@ def _last_json(r: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1])
 
 
-def run_child(a, t: int, ref: Path | None = None) -> dict:
+def run_child(a, t: int, ref: Path | None = None, context: int = 0) -> dict:
     """One decode measurement in a fresh process; ``t`` a thread count or DEFAULT (none given)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--dir", str(a.dir),
            "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed),
            "--threads", str(t), "--prefill", str(a.prefill)]
+    if context:
+        cmd += ["--context", str(context), "--fill", getattr(a, "fill", "synthetic")]
+    if getattr(a, "preload", False):
+        cmd.append("--preload")
     if ref is not None:
         cmd += ["--ref", str(ref)]
     if a.int8_activations:
@@ -399,10 +484,20 @@ def truncated_copy(path: Path, layers: int) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR,
-                    help="where the random OLMoE-geometry container is made once and kept")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="where the random container is made once and kept (default "
+                         f"{DEFAULT_DIR}, or /work/bench_models/NAME-geom-<layers>L with --geometry)")
     ap.add_argument("--model", type=Path, default=None,
                     help="benchmark this container instead (e.g. models/demo/qwen3-moe-demo)")
+    ap.add_argument("--geometry", choices=("olmoe",) + tuple(GEOMETRIES), default="olmoe",
+                    help="the random container's geometry (benchmarks/families.py): OLMoE-1B-7B "
+                         "(default), GLM-4.5-Air or GLM-5 layers, a few deep")
+    ap.add_argument("--context", default="0",
+                    help="context lengths to decode at, comma-separated (0: the --prompt-len prompt)")
+    ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
+                    help="how --context positions get into the cache (see the docstring)")
+    ap.add_argument("--preload", action="store_true",
+                    help="load every expert into RAM before the timed decode (implied by --geometry)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--threads", default="1,2",
@@ -429,6 +524,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.child:
         a.threads = None if a.threads == DEFAULT else int(a.threads)
+        a.context = int(a.context)
         child(a)
         return 0
     if a.torch_child:
@@ -437,7 +533,13 @@ def main(argv=None) -> int:
         return 0
     if a.model is not None:          # any container, used as it is
         a.dir = path = a.model.resolve()
+    elif a.geometry != "olmoe":
+        a.preload = True
+        a.dir = a.dir or default_dir(a.geometry)
+        path, _, _ = ensure(a.dir, geometry(a.geometry), a.seed, LABELS[a.geometry])
+        print(f"geometry: {LABELS[a.geometry]}, {path}")
     else:
+        a.dir = a.dir or DEFAULT_DIR
         path, _, _ = ensure_container(a.dir, a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="decode-bench-"))
     try:
@@ -459,16 +561,25 @@ def bench(a, path: Path, tmp: Path) -> int:
     from core.planner import kv_bytes_per_position
     from models import family_for
     config = json.loads((path / "config.json").read_text())
-    context = a.prompt_len + a.tokens / 2
-    kv = int(kv_bytes_per_position(family_for(config).spec(config), a.kv_cache) * context)
-    touched = weights + kv
+    spec = family_for(config).spec(config)
+    contexts = parse_contexts(getattr(a, "context", "0"))
+    a.contexts = contexts
+    bpp = kv_bytes_per_position(spec, a.kv_cache)
+    touched, kv = {}, {}
+    for n in contexts:
+        kv[n] = int(bpp * mean_context(a, n))
+        touched[n] = weights + kv[n]
     layer_params, head_params = active_params(path)
     print("machine:")
     print(format_summary(machine_summary(path)))
+    n0 = contexts[0]
     print(f"model: {geo['layers']} layers x {geo['experts_per_layer']} experts of "
           f"{geo['expert_bytes'] / 1e6:.2f} MB (top-{geo['top_k']}), dense {geo['dense_bytes'] / 1e9:.2f} GB "
-          f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched / 1e9:.3f} GB "
-          f"= weights {weights / 1e9:.3f} + {a.kv_cache} KV cache {kv / 1e9:.3f} (~{context:.0f} positions)")
+          f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched[n0] / 1e9:.3f} GB "
+          f"= weights {weights / 1e9:.3f} + {a.kv_cache} KV cache {kv[n0] / 1e9:.3f} "
+          f"(~{mean_context(a, n0):.0f} positions)")
+    if contexts != [0]:
+        print_breakdown(path, spec, geo, emb, weights, bpp, a, contexts, kv)
     if a.layers:
         print(f"(--layers {a.layers}: the first {a.layers} layers only)")
     threads = [v.strip() if v.strip() == DEFAULT else int(v) for v in a.threads.split(",")]
@@ -481,11 +592,53 @@ def bench(a, path: Path, tmp: Path) -> int:
             threads.append(DEFAULT)
     busy = start_busy(a.busy)
     try:
-        return measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_params, geo)
+        return measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_params, geo,
+                       config.get("model_type"))
     finally:
         for p in busy:
             p.kill()
             p.wait()
+
+
+def parse_contexts(text) -> list[int]:
+    out = [int(v) for v in str(text).split(",") if v.strip()]
+    if not out or any(n < 0 for n in out):
+        raise SystemExit("--context takes context lengths >= 0 (0: the --prompt-len prompt)")
+    return out
+
+
+def mean_context(a, n: int) -> float:
+    """The timed decode steps' mean context: the prompt (n = 0) or n filled positions and the
+    untimed steps, plus half the timed tokens."""
+    return (a.prompt_len if n == 0 else n + CONTEXT_WARMUP) + a.tokens / 2
+
+
+def print_breakdown(path, spec, geo, emb, weights, bpp, a, contexts, kv) -> None:
+    """Bytes touched per decoded token, by part, and what each layer's cache keeps."""
+    from core import cache_kinds
+    from core.container import Container
+
+    c = Container(path)
+    try:
+        head = sum(info.nbytes for name, (_, info) in c.index.items() if name.startswith("lm_head."))
+    finally:
+        c.close()
+    experts = geo["layers"] * geo["top_k"] * geo["expert_bytes"]
+    row = emb // max(1, geo["vocab_size"])
+    rest = weights - experts - head - row
+    kinds = {}
+    for entry in spec.cache_kinds:
+        key = " + ".join(f"{k.name} {k.bytes_per_position(a.kv_cache)} B" for k in cache_kinds.layer_kinds(entry))
+        kinds[key] = kinds.get(key, 0) + 1
+    print("bytes touched per decoded token: routed experts "
+          f"{geo['layers']} MoE layers x top-{geo['top_k']} x {geo['expert_bytes'] / 1e6:.2f} MB = "
+          f"{experts / 1e9:.3f} GB; lm_head {head / 1e9:.3f} GB; other dense (attention, dense / shared "
+          f"MLPs, routers, norms) {rest / 1e9:.3f} GB; embedding row {row / 1e3:.1f} kB")
+    print(f"cache per position ({a.kv_cache}): {bpp} B = "
+          + ", ".join(f"{n} layer{'s' * (n > 1)} x ({k})" for k, n in kinds.items()))
+    for n in contexts:
+        print(f"  context {n or f'{a.prompt_len}-token prompt'}: mean {mean_context(a, n):.0f} positions "
+              f"-> cache {kv[n] / 1e9:.3f} GB read per token; touched {(weights + kv[n]) / 1e9:.3f} GB")
 
 
 def start_busy(n: int) -> list[subprocess.Popen]:
@@ -503,48 +656,63 @@ def _bw_threads(t) -> int:
     return t
 
 
-def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_params, geo) -> int:
+def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_params, geo,
+            model_type="olmoe") -> int:
     if a.busy:
         print(f"(--busy {a.busy}: {a.busy} busy-loop process(es) run during the decode runs)")
     ref = tmp / "engine_ref.npz"
-    rows, runs = [], {t: [] for t in threads}
+    contexts = a.contexts
+    show = contexts != [0]           # a context column (absent from the default tables)
+    pre = (lambda n: f"{n:>7} ") if show else (lambda n: "")
+    hpre = f"{'context':>7} " if show else ""
+    rows, runs = [], {(n, t): [] for n in contexts for t in threads}
     for rep in range(a.repeats):
-        later = argparse.Namespace(**{**vars(a), "prefill": 0}) if rep else a    # prefill once
-        for t in threads:
-            bw = ram_read_gbps(_bw_threads(t))
-            res = run_child(later, t, ref if not rows and not rep and t != DEFAULT else None)
-            bw = max(bw, ram_read_gbps(_bw_threads(t)))
-            if "error" in res:
-                print(f"threads {t}: FAILED: {res['error']}")
-                continue
-            runs[t].append((res["tok_s"], bw, res.get("threads_used")))
-            if not rep:
-                rows.append((t, res, bw, bw * 1e9 / touched))
-    print(f"\n{'threads':>7} {'tok/s':>7} {'RAM GB/s':>9} {'bound tok/s':>12} {'ratio':>6} "
-          f"{'eff. GB/s':>9} {'attn ms':>8} {'experts ms':>10} {'lm_head ms':>10} {'other ms':>9}")
-    for t, r, bw, bound in rows:
+        for n in contexts:
+            # prefill once: in the first run of each thread count
+            later = argparse.Namespace(**{**vars(a), "prefill": 0}) if rep or n != contexts[0] else a
+            for t in threads:
+                bw = ram_read_gbps(_bw_threads(t))
+                res = run_child(later, t, ref if not rows and not rep and t != DEFAULT and n == 0 else None,
+                                context=n)
+                bw = max(bw, ram_read_gbps(_bw_threads(t)))
+                if "error" in res:
+                    print(f"{'context ' + str(n) + ', ' if show else ''}threads {t}: FAILED: {res['error']}")
+                    continue
+                runs[n, t].append((res["tok_s"], bw, res.get("threads_used")))
+                if not rep:
+                    rows.append((t, res, bw, bw * 1e9 / touched[n], n))
+    print(f"\n{hpre}{'threads':>7} {'tok/s':>7} {'RAM GB/s':>9} {'bound tok/s':>12} {'ratio':>6} "
+          f"{'eff. GB/s':>9} {'attn ms':>8} {'experts ms':>10} {'lm_head ms':>10} {'other ms':>9}"
+          + (f" {'fill s':>7}" if show else ""))
+    for t, r, bw, bound, n in rows:
         step = 1e3 / r["tok_s"]
         parts = [1e3 * r[k] for k in ("attention_s", "experts_s", "lm_head_s")]
-        print(f"{t!s:>7} {r['tok_s']:7.2f} {bw:9.1f} {bound:12.1f} {r['tok_s'] / bound:6.2f} "
-              f"{r['tok_s'] * touched / 1e9:9.1f} {parts[0]:8.1f} {parts[1]:10.1f} {parts[2]:10.1f} "
-              f"{step - sum(parts):9.1f}")
+        print(f"{pre(n)}{t!s:>7} {r['tok_s']:7.2f} {bw:9.1f} {bound:12.1f} {r['tok_s'] / bound:6.2f} "
+              f"{r['tok_s'] * touched[n] / 1e9:9.1f} {parts[0]:8.1f} {parts[1]:10.1f} {parts[2]:10.1f} "
+              f"{step - sum(parts):9.1f}"
+              + ((f" {r['fill_s']:7.1f}" if "fill_s" in r else f" {'-':>7}") if show else ""))
     print("(second run's decode steps, experts resident; eff. GB/s = tok/s x bytes touched per "
           "token; per-step ms from the engine's Stats, 'other' = the rest of a step)")
+    if show:
+        print(f"(context 0: the {a.prompt_len}-token prompt; N > 0: {a.tokens} steps after N cached "
+              f"positions ({a.fill} fill, fill s = its time) and {CONTEXT_WARMUP} untimed steps)")
     if a.repeats > 1:
-        print(f"\n{'threads':>7} {'runs':>4} {'median tok/s':>12} {'median RAM GB/s':>15} "
+        print(f"\n{hpre}{'threads':>7} {'runs':>4} {'median tok/s':>12} {'median RAM GB/s':>15} "
               f"{'median ratio':>12} {'ratios (run order)':>s}")
-        for t in threads:
-            ratios = [tok * touched / (bw * 1e9) for tok, bw, _ in runs[t]]
-            if ratios:
-                print(f"{t!s:>7} {len(ratios):4d} {statistics.median(r[0] for r in runs[t]):12.2f} "
-                      f"{statistics.median(r[1] for r in runs[t]):15.1f} "
-                      f"{statistics.median(ratios):12.2f} {' '.join(f'{r:.2f}' for r in ratios)}")
+        for n in contexts:
+            for t in threads:
+                ratios = [tok * touched[n] / (bw * 1e9) for tok, bw, _ in runs[n, t]]
+                if ratios:
+                    print(f"{pre(n)}{t!s:>7} {len(ratios):4d} {statistics.median(r[0] for r in runs[n, t]):12.2f} "
+                          f"{statistics.median(r[1] for r in runs[n, t]):15.1f} "
+                          f"{statistics.median(ratios):12.2f} {' '.join(f'{r:.2f}' for r in ratios)}")
         print("(each run's ratio against the bandwidth measured around it; thread counts "
               "alternate between runs)")
-    if DEFAULT in threads and runs[DEFAULT]:
-        fixed = {t: statistics.median(r[0] for r in runs[t]) for t in threads if t != DEFAULT and runs[t]}
-        got = statistics.median(r[0] for r in runs[DEFAULT])
-        used = [r[2] for r in runs[DEFAULT]]
+    n0 = contexts[0]
+    if DEFAULT in threads and runs[n0, DEFAULT]:
+        fixed = {t: statistics.median(r[0] for r in runs[n0, t]) for t in threads if t != DEFAULT and runs[n0, t]}
+        got = statistics.median(r[0] for r in runs[n0, DEFAULT])
+        used = [r[2] for r in runs[n0, DEFAULT]]
         print(f"\ndefault threads (load-following; used {', '.join(map(str, used))}): median "
               f"{got:.2f} tok/s" + (f" = {got / max(fixed.values()):.2f} x the best fixed count "
                                     f"({max(fixed, key=fixed.get)} threads, {max(fixed.values()):.2f} "
@@ -554,6 +722,8 @@ def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_para
     tres = None
     if a.no_torch:
         print("\nPyTorch: skipped (--no-torch)")
+    elif model_type != "olmoe":
+        print(f"\nPyTorch: skipped (the side-by-side builds OlmoeForCausalLM; this is {model_type})")
     elif (why := torch_available()) is not None:
         print(f"\nPyTorch: skipped (torch/transformers not importable: {why}; install the oracle extra)")
     else:
@@ -580,9 +750,9 @@ def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_para
                               f"{run['greedy_prefix']}/{run['greedy_len']} tokens")
 
     flops_tok = 2 * layer_params
-    print(f"\n{'threads':>7} {'tok/s':>7} {'bound':>7} {'ratio':>6} {'pf tok/s':>9} {'pf GFLOP/s':>10} "
+    print(f"\n{hpre}{'threads':>7} {'tok/s':>7} {'bound':>7} {'ratio':>6} {'pf tok/s':>9} {'pf GFLOP/s':>10} "
           f"{'sgemm GFLOP/s':>13} {'pf/sgemm':>8} {'torch tok/s':>11} {'torch pf tok/s':>14}")
-    for t, r, bw, bound in rows:
+    for t, r, bw, bound, n in rows:
         pf = r.get("prefill")
         tr = (tres or {}).get("runs", {}).get(str(t), {})
         if pf:
@@ -592,7 +762,12 @@ def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_para
             pcols = f"{'-':>9} {'-':>10} {'-':>13} {'-':>8}"
         tcols = (f"{tr['tok_s']:11.2f} " + (f"{tr['prefill_tok_s']:14.1f}" if "prefill_tok_s" in tr else f"{'-':>14}")
                  if tr else f"{'-':>11} {'-':>14}")
-        print(f"{t!s:>7} {r['tok_s']:7.2f} {bound:7.1f} {r['tok_s'] / bound:6.2f} {pcols} {tcols}")
+        print(f"{pre(n)}{t!s:>7} {r['tok_s']:7.2f} {bound:7.1f} {r['tok_s'] / bound:6.2f} {pcols} {tcols}")
+    for t, r, bw, bound, n in rows:
+        pf = r.get("prefill")
+        if pf and a.contexts != [0]:
+            print(f"{t!s:>7} threads: prefill of {pf['tokens']} positions {pf['s']:.1f} s (attention "
+                  f"{pf['attention_s']:.1f} s, experts {pf['experts_s']:.1f} s, lm_head {pf['lm_head_s']:.2f} s)")
     acts = "int8 activations (opt-in)" if a.int8_activations else "float32 activations"
     print(f"(ours: int4 experts/attention, int8 lm_head, {acts}; pf = one {a.prefill}-token "
           f"prefill, fresh KV cache, every expert resident; GFLOP/s counts 2 x "

@@ -1,6 +1,7 @@
 """Streaming benchmark: decode with most experts on disk, against the disk-bound limit.
 
     python benchmarks/streaming.py [--dir DIR] [--budget-frac 0.25] [--tokens 64] [--keep]
+                                   [--geometry olmoe|glm45air|glm5]
 
 1. Makes (once) a random-weight container with OLMoE-1B-7B's geometry (16 layers, 64 experts,
    top-8, hidden 2048, expert intermediate 1024, 16 heads, vocab 50304, int4-g64: ≈ 3.6 GB of
@@ -16,6 +17,10 @@
 
 The weights are random, so the routing is not a real model's: hit rates here measure the store
 and the prefetcher on random-ish routing, not what OLMoE's real routing would give.
+
+``--geometry glm45air|glm5`` uses one of benchmarks/families.py's containers instead (GLM-4.5-Air's
+or GLM-5's real layer sizes, a few layers deep; default DIR /work/bench_models/NAME-geom-<L>L),
+made and kept by the same rules.
 """
 from __future__ import annotations
 
@@ -190,7 +195,10 @@ def fmt(v, spec: str = ".2f") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--dir", type=Path, default=None,
+                    help=f"the container (default {DEFAULT_DIR}, or benchmarks/families.py's with --geometry)")
+    ap.add_argument("--geometry", choices=("olmoe", "glm45air", "glm5"), default="olmoe",
+                    help="the random container's geometry: OLMoE-1B-7B (default) or a family's layers")
     ap.add_argument("--budget-frac", type=float, default=0.25,
                     help="expert RAM budget as a fraction of all expert bytes")
     ap.add_argument("--cap", type=int, default=None, help="experts per layer instead of --budget-frac")
@@ -214,7 +222,15 @@ def main(argv=None) -> int:
         child(args)
         return 0
 
-    path, made, gen_gbps = ensure_container(args.dir, args.seed)
+    if args.geometry == "olmoe":
+        args.dir = args.dir or DEFAULT_DIR
+        path, made, gen_gbps = ensure_container(args.dir, args.seed)
+    else:
+        from benchmarks import families
+        args.dir = args.dir or families.default_dir(args.geometry)
+        path, made, gen_gbps = families.ensure(args.dir, families.geometry(args.geometry), args.seed,
+                                               families.LABELS[args.geometry])
+        print(f"geometry: {families.LABELS[args.geometry]}")
     try:
         if args.generate_only:
             made = False        # keep it

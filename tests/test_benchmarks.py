@@ -46,3 +46,42 @@ def test_decode_benchmark_busy_compares_the_default_count(containers, tmp_path, 
     assert [r[0] for r in rows] == ["1", "default"] * 2      # the decode table, the summary table
     summary = [l for l in out.splitlines() if l.startswith("default threads")]
     assert len(summary) == 1 and "x the best fixed count (1 threads" in summary[0]
+
+
+def test_decode_benchmark_family_geometries_at_a_context(tmp_path, capsys):
+    """--geometry's configs (benchmarks/families.py, tiny versions of the same structure), decoded
+    at a short prompt and after N cached positions (--context; a synthetic fill, a real prefill): the rows, the bytes
+    breakdown naming each layer's cache kinds, and the prefill line."""
+    import argparse
+
+    from benchmarks.decode import bench
+    from benchmarks.families import ensure, geometry
+    for name, fill, kinds in (("glm45air", "synthetic", "4 layers x (kv 256 B)"),
+                              ("glm5", "prefill", "1 layer x (latent 96 B + index_keys 64 B), 1 layer x (latent 96 B)")):
+        path, made, _ = ensure(tmp_path / name, geometry(name, tiny=True))
+        assert made
+        a = argparse.Namespace(dir=path, tokens=3, prompt_len=4, seed=0, threads="1", prefill=12,
+                               no_torch=True, layers=0, int8_activations=False, kv_cache="float32",
+                               repeats=1, busy=0, model=None, context="0,20", fill=fill, preload=True)
+        (tmp_path / f"{name}-{fill}").mkdir()
+        assert bench(a, path, tmp_path / f"{name}-{fill}") == 0
+        out = capsys.readouterr().out
+        assert "FAILED" not in out and kinds in out, out
+        rows = [l.split() for l in out.splitlines() if l.split()[:2] in (["0", "1"], ["20", "1"])]
+        assert [r[0] for r in rows] == ["0", "20"] * 2          # decode table, prefill table
+        assert float(rows[1][-1]) >= 0 and float(rows[0][2]) > 0   # fill s; tok/s
+        assert "prefill of 12 positions" in out
+
+
+def test_streaming_benchmark_takes_a_geometry(tmp_path, capsys, monkeypatch):
+    """streaming.py --geometry: the family container (tiny here), 2 of 8 experts per layer, one
+    row per run."""
+    from benchmarks import common, families, streaming
+    monkeypatch.setitem(families.GEOMETRIES, "glm45air", families.geometry("glm45air", tiny=True))
+    for mod in (common, streaming):       # never drop the shared machine's page cache from a test
+        monkeypatch.setattr(mod, "drop_page_cache", lambda: False)
+    assert streaming.main(["--geometry", "glm45air", "--dir", str(tmp_path / "g"), "--tokens", "4",
+                           "--cap", "2", "--o-direct", "1", "--keep"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "GLM-4.5-Air" in out
+    assert sum(l.startswith(("prefetch off", "prefetch on")) for l in out.splitlines()) == 2

@@ -1,0 +1,128 @@
+"""Real per-layer geometries of the newer families, a few layers deep, for the decode and
+streaming benchmarks (issue 17): random-weight containers (core.synthetic) with GLM-4.5-Air's and
+GLM-5's layer sizes, made once under /work/bench_models/ and kept.
+
+    python benchmarks/families.py [glm45air|glm5 ...]     # make (or verify) the containers
+
+``benchmarks/decode.py --geometry NAME`` and ``benchmarks/streaming.py --geometry NAME`` use them.
+Every layer has the real model's sizes; only the depth is cut (GLM-4.5-Air: 4 of 46 layers, the
+first dense as in the model; GLM-5: 2 of 78, one dense + one MoE, one "full" DSA indexer layer +
+one "shared"), so per-token bytes are dominated more by the lm_head than in the full model.
+No eos_token_id: random weights never stop a decode early. MTP layers are left out (decode does
+not use them).
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BENCH_MODELS = Path("/work/bench_models")
+
+# zai-org/GLM-4.5-Air config.json (the fields models/catalog.toml lists for it; transformers'
+# Glm4MoeConfig defaults for the rest), 4 layers: 1 dense (first_k_dense_replace) + 3 MoE
+GLM45_AIR = {
+    "model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
+    "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+    "attention_bias": True, "use_qk_norm": False, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+    "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False,
+}
+
+# transformers' GlmMoeDsaConfig defaults = zai-org/GLM-5 (models/catalog.toml), 2 layers:
+# a dense layer with the "full" indexer, then an MoE layer sharing its selection
+GLM5 = {
+    "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+    "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_interleave": True,
+    "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+    "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "shared"],
+    "hidden_act": "silu", "max_position_embeddings": 202752, "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+}
+
+# tiny versions with the same structure, for tests (seconds)
+TINY = {
+    "glm45air": {**GLM45_AIR, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+                 "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2},
+    "glm5": {**GLM5, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+             "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+             "v_head_dim": 8, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+             "n_routed_experts": 8, "num_experts_per_tok": 2},
+}
+
+GEOMETRIES = {"glm45air": GLM45_AIR, "glm5": GLM5}
+LABELS = {"glm45air": "GLM-4.5-Air (4 of 46 layers: 1 dense + 3 MoE)",
+          "glm5": "GLM-5 (2 of 78 layers: dense + MoE; DSA full + shared)"}
+
+
+def geometry(name: str, tiny: bool = False) -> dict:
+    table = TINY if tiny else GEOMETRIES
+    if name not in table:
+        raise SystemExit(f"unknown geometry {name!r}: one of {', '.join(GEOMETRIES)}")
+    return dict(table[name])
+
+
+def default_dir(name: str) -> Path:
+    return BENCH_MODELS / f"{name}-geom-{GEOMETRIES[name]['num_hidden_layers']}L"
+
+
+def ensure(directory: Path, config: dict, seed: int = 0, label: str = "") -> tuple[Path, bool, float | None]:
+    """(path, made_now, generation GB/s): a random container of ``config`` at ``directory``,
+    made now or reused (write_random_container verifies an existing one's parameters)."""
+    from core.synthetic import container_bytes, write_random_container
+
+    if (directory / "colibri.json").exists():
+        write_random_container(directory, config, seed=seed)
+        return directory, False, None
+    need = container_bytes(config)["total"]
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory.parent).free
+    if need > free - (2 << 30):
+        raise SystemExit(f"{directory}: needs {need / 1e9:.2f} GB, {free / 1e9:.1f} GB free")
+    print(f"generating a random {label or config['model_type']} container: {need / 1e9:.2f} GB into "
+          f"{directory} ({free / 1e9:.1f} GB free)", file=sys.stderr, flush=True)
+    last = [0.0]
+
+    def progress(p) -> None:
+        if not p.tensor and time.perf_counter() - last[0] > 5:
+            last[0] = time.perf_counter()
+            print(f"  {p.done_bytes / 1e9:5.2f} / {p.total_bytes / 1e9:.2f} GB  {p.shard}",
+                  file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    write_random_container(directory, config, seed=seed, progress=progress)
+    dt = time.perf_counter() - t0
+    print(f"  done in {dt:.1f} s ({need / dt / 1e9:.2f} GB/s including fsync)", file=sys.stderr, flush=True)
+    return directory, True, need / dt / 1e9
+
+
+def main(argv=None) -> int:
+    from core.synthetic import container_bytes
+
+    for name in (argv if argv is not None else sys.argv[1:]) or list(GEOMETRIES):
+        cfg = geometry(name)
+        b = container_bytes(cfg)
+        print(f"{name}: {LABELS[name]}: {b['total'] / 1e9:.2f} GB ({b['experts'] / 1e9:.2f} GB experts) "
+              f"at {default_dir(name)}", flush=True)
+        ensure(default_dir(name), cfg, label=LABELS[name])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
