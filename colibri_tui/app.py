@@ -71,8 +71,12 @@ class ChatItem(ListItem):
 def fmt_meta(stats: dict | None, reason: str | None) -> str:
     if not stats:
         return f"stopped: {reason}" if reason else ""
+    cached = stats.get("cached_tokens") or 0
+    first = f"first token {stats.get('ttft_s', 0):.2f} s"
+    if isinstance(cached, int) and cached > 0:       # prefix reuse: these were not computed again
+        first += f" ({cached} of {stats.get('prompt_tokens', 0)} prompt tokens cached)"
     parts = [f"{stats.get('new_tokens', 0)} tokens", f"{stats.get('decode_tok_s', 0):.1f} tok/s",
-             f"first token {stats.get('ttft_s', 0):.2f} s", f"hit rate {stats.get('hit_rate', 1):.0%}",
+             first, f"hit rate {stats.get('hit_rate', 1):.0%}",
              f"read {human_bytes(stats.get('bytes_read', 0))}"]
     if reason and reason != "eos":
         parts.append("stopped" if reason == "cancelled" else f"stop: {reason}")
@@ -173,6 +177,10 @@ class ColiApp(App):
         self.model_path = str(model_path) if model_path else None
         self.engine_options = dict(engine_options or {})     # command-line flags beat the config
         self.history = History(history_path)
+        from core.sessions import SessionStore
+        # each chat's cache, saved beside the history after every turn (core.sessions)
+        self.sessions = SessionStore(self.history.path.parent / "caches",
+                                     int(self.settings.session_cache_gb * 1e9))
         self.engine = engine
         self.engine_error: str | None = None
         self.model_name = ""
@@ -306,7 +314,7 @@ class ColiApp(App):
         s = self.settings
         opts = dict(threads=s.threads, ram_gb=s.ram_gb, cap=None, policy=s.policy, prefetch=s.prefetch,
                     o_direct=s.o_direct, kv_cache=s.kv_cache)
-        opts.update({k: v for k, v in self.engine_options.items() if v is not None})
+        opts.update({k: v for k, v in self.engine_options.items() if v is not None and k != "prefix_cache"})
         if opts.get("cap") is not None and "ram_gb" not in self.engine_options:
             opts["ram_gb"] = None            # --cap on the command line beats a configured budget
         return opts
@@ -362,10 +370,16 @@ class ColiApp(App):
                     pass
         self._engine_ready()
 
+    @property
+    def prefix_cache(self) -> bool:
+        """Prompt-prefix reuse and saved chat caches: the setting, unless --no-prefix-cache."""
+        return bool(self.settings.prefix_cache) and self.engine_options.get("prefix_cache") is not False
+
     def _engine_ready(self) -> None:
         self.loading = False
         self.engine_error = None
         e = self.engine
+        e.prefix_cache = self.prefix_cache
         path = getattr(getattr(e, "container", None), "path", None)
         self.model_name = Path(path).name if path else "model"
         self.slot_bytes = getattr(getattr(e, "store", None), "slot_bytes", None)
@@ -468,6 +482,7 @@ class ColiApp(App):
             if not yes:
                 return
             self.history.delete(chat.id)
+            self.sessions.delete(chat.id)
             rest = self.history.chats()
             nxt = rest[0] if rest else self.history.new_chat(sampling=self.settings.sampling)
             self.chat_id = nxt.id
@@ -516,6 +531,11 @@ class ColiApp(App):
                 self.notify(f"settings not saved: {e}", severity="error")
                 return
             self.settings = new
+            self.sessions.budget_bytes = int(new.session_cache_gb * 1e9)
+            if self.engine is not None:
+                self.engine.prefix_cache = self.prefix_cache
+                if not self.prefix_cache:
+                    self.engine.prefixes.clear()       # off: nothing kept in memory either
             self.show_notices(new.notices)              # a damaged config moved aside: where
             if new.model != old.model:
                 self.model_path = None           # a model chosen here beats --model from the start
@@ -527,7 +547,7 @@ class ColiApp(App):
                     self._reopen_after = True
                 else:
                     self.resolve_and_load()
-        self.push_screen(SettingsScreen(self.settings, str(settings_mod.config_path())), done)
+        self.push_screen(SettingsScreen(self.settings, str(settings_mod.config_path()), self.sessions), done)
 
     @property
     def chat_screen(self) -> ChatScreen:
@@ -749,9 +769,35 @@ class ColiApp(App):
             gen.applied.clear()
             self.post_message(BatchReady(gen, batch))
 
+        reuse, sessions = self.prefix_cache, self.sessions
+
+        def warn(text: str) -> None:
+            self._from_thread(self.show_notices, [text])
+
+        def save(reason: str) -> None:
+            # the chat's cache as this turn left it, before the final batch lets the next turn start
+            if not reuse or sessions.budget_bytes <= 0 or not hasattr(engine, "prefixes"):
+                return
+            try:
+                sessions.save(engine, gen.chat_id)
+            except OSError as e:
+                warn(f"the chat's cache could not be saved ({e.strerror or e}): reopening the app "
+                     f"computes the conversation again")
+
         def run() -> None:
+            if reuse and not gen.cancel and hasattr(engine, "prefixes"):
+                # a saved cache of this chat (an earlier session): into the engine's pool if it
+                # gives more of the prompt than memory has
+                try:
+                    restored = sessions.restore(engine, gen.chat_id, engine.prompt_ids(messages))
+                except Exception as e:             # the prompt itself is refused: generate says so
+                    restored = None
+                    from .paths import logger
+                    logger("app").info("saved cache not restored: %s", e)
+                if restored is not None and restored.warning:
+                    warn(restored.warning)
             run_generation(engine, messages, params, max_new_tokens, post, cancelled=lambda: gen.cancel,
-                           ready=gen.applied.is_set)
+                           ready=gen.applied.is_set, after=save)
         gen.thread = threading.Thread(target=run, name="coli-generate", daemon=True)
         gen.thread.start()
 

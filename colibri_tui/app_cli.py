@@ -25,6 +25,9 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--o-direct", action="store_true", default=None, help="read experts with O_DIRECT")
     p.add_argument("--kv-cache", choices=KV_CACHES, default=None,
                    help="KV cache precision (float16: half the memory, outputs change slightly)")
+    p.add_argument("--no-prefix-cache", action="store_true", default=None,
+                   help="compute each turn's whole conversation again: no reuse of the chat's cache "
+                        "in memory or saved (default: the config, else reuse)")
 
 
 def add_parsers(subparsers) -> argparse.ArgumentParser:
@@ -39,7 +42,8 @@ def engine_options(args) -> dict:
             "cap": getattr(args, "cap", None), "policy": getattr(args, "policy", None),
             "prefetch": False if getattr(args, "no_prefetch", None) else None,
             "o_direct": True if getattr(args, "o_direct", None) else None,
-            "kv_cache": getattr(args, "kv_cache", None)}
+            "kv_cache": getattr(args, "kv_cache", None),
+            "prefix_cache": False if getattr(args, "no_prefix_cache", None) else None}
     if opts["threads"] is not None and opts["threads"] < 1:
         raise ColiError("--threads must be >= 1")
     from core.policies import POLICY_NAMES

@@ -47,10 +47,13 @@ def _light(stats: Stats) -> dict:
 
 def run_generation(engine, messages, sampling, max_new_tokens: int, post: Callable[[dict], None],
                    cancelled: Callable[[], bool] = lambda: False, stop=(), interval: float = 0.05,
-                   snapshot_interval: float = 0.25, ready: Callable[[], bool] = lambda: True) -> dict:
+                   snapshot_interval: float = 0.25, ready: Callable[[], bool] = lambda: True,
+                   after: Callable[[str], None] | None = None) -> dict:
     """Generate and post batches; returns the summary {"text", "reason", "stats", "error"}.
     While ``ready()`` is False (the UI has not applied the previous batch) events keep
-    accumulating instead: a slow terminal gets bigger batches, never a growing queue."""
+    accumulating instead: a slow terminal gets bigger batches, never a growing queue.
+    ``after(reason)``: called on this thread once the engine is done and before the final batch
+    (the app saves the chat's cache there: no next turn can start while the cache is written)."""
     text_all, pending, tokens = [], [], 0
     latest: Stats | None = None
     final: Stats | None = None
@@ -113,6 +116,11 @@ def run_generation(engine, messages, sampling, max_new_tokens: int, post: Callab
         error = f"{e.__class__.__name__}: {e}"
     if cancelled() and reason not in ("eos", "stop", "error"):
         reason = "cancelled"
+    if after is not None and error is None:
+        try:
+            after(reason)
+        except Exception as e:                 # a cache that cannot be saved never loses the reply
+            error = f"{e.__class__.__name__}: {e}"
     flush(final_batch=True)
     return {"text": "".join(text_all), "reason": reason,
             "stats": _light(final) if final is not None else None, "error": error}

@@ -180,9 +180,19 @@ class SettingsScreen(ModalScreen[Settings | None]):
     """
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, settings: Settings, path: str = ""):
+    def __init__(self, settings: Settings, path: str = "", sessions=None):
         super().__init__()
         self.settings, self.path = settings, path
+        self.sessions = sessions         # core.sessions.SessionStore: the saved chat caches' size
+
+    def _cache_note(self) -> str:
+        """How much disk the saved chat caches take now (least recently used go past the budget)."""
+        if self.sessions is None:
+            return "saved chat caches: none"
+        from .tierpanel import human_bytes
+        size, n = self.sessions.size()
+        return (f"saved chat caches: {human_bytes(size)} in {n} file{'s' if n != 1 else ''} "
+                f"(least recently used go first)")
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -200,6 +210,11 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 yield Checkbox("O_DIRECT reads", s.o_direct, id="o_direct")
                 yield Checkbox("float16 KV cache (half the RAM)",
                                s.kv_cache == "float16", id="kv_cache")
+                yield Checkbox("reuse the chat's cache (faster turns)",
+                               s.prefix_cache, id="prefix_cache")
+                yield _field("saved caches (GB)", Input(f"{s.session_cache_gb:g}", id="session_cache_gb",
+                                                        placeholder="2"))
+                yield Label(Text(one_line(self._cache_note())), classes="note", id="cache_note")
                 yield Label("default sampling for new chats", classes="note")
                 yield from _sampling_fields(s.sampling)
                 if s.overridden:
@@ -223,11 +238,13 @@ class SettingsScreen(ModalScreen[Settings | None]):
                            threads=int(v("threads")) if v("threads") else None,
                            o_direct=self.query_one("#o_direct", Checkbox).value,
                            kv_cache="float16" if self.query_one("#kv_cache", Checkbox).value else "float32",
+                           prefix_cache=self.query_one("#prefix_cache", Checkbox).value,
+                           session_cache_gb=float(v("session_cache_gb")) if v("session_cache_gb") else 0.0,
                            sampling=_read_sampling(self), theme=self.settings.theme,
                            overridden=dict(self.settings.overridden))
             out.validate()
         except ValueError as e:
-            msg = str(e) if "must" in str(e) else "RAM budget and threads must be numbers"
+            msg = str(e) if "must" in str(e) else "RAM budget, threads and saved caches must be numbers"
             self.query_one("#error", Label).update(Text(one_line(msg)))
             return
         self.dismiss(out)

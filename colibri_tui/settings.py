@@ -163,6 +163,8 @@ class Sampling:
 
 # the [engine] keys: a change to any of them reopens the model
 ENGINE_KEYS = ("ram_gb", "policy", "prefetch", "threads", "o_direct", "kv_cache")
+# [engine] keys applied to the open model as they are: prompt-prefix reuse, the saved chat caches
+CACHE_KEYS = ("prefix_cache", "session_cache_gb")
 
 
 @dataclass
@@ -174,6 +176,8 @@ class Settings:
     threads: int | None = None      # None = automatic: the cores other programs leave free (core.threads)
     o_direct: bool = False
     kv_cache: str = "float32"       # KV cache precision; "float16" is opt-in (outputs change slightly)
+    prefix_cache: bool = True       # a turn computes only what the chat's cache lacks (README: bits)
+    session_cache_gb: float = 2.0   # disk for saved chat caches (least recently used go first); 0: none
     sampling: Sampling = field(default_factory=Sampling)
     theme: str = ""                 # a Textual theme name; "" = the default
     # where each value came from when an environment variable overrode it (not saved)
@@ -191,6 +195,9 @@ class Settings:
             raise ValueError(f"threads must be a whole number in 1..{MAX_THREADS}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"KV cache must be one of {', '.join(KV_CACHES)}")
+        if not (isinstance(self.session_cache_gb, (int, float)) and not isinstance(self.session_cache_gb, bool)
+                and math.isfinite(self.session_cache_gb) and self.session_cache_gb >= 0):
+            raise ValueError("the disk for saved chat caches must be a finite number >= 0 GB")
         self.sampling.validate()
 
 
@@ -233,6 +240,8 @@ _ENGINE_CHECKS = {
     "threads": _between(_whole, 1, MAX_THREADS),
     "o_direct": _bool,
     "kv_cache": _one_of(KV_CACHES),
+    "prefix_cache": _bool,
+    "session_cache_gb": _between(_number, 0.0),
 }
 _TOP_CHECKS = {"model": _text, "theme": _text}
 
@@ -329,7 +338,7 @@ def dumps(s: Settings) -> str:
     if s.theme:
         lines.append(f"theme = {_toml_value(s.theme)}")
     lines += ["", "[engine]"]
-    for k in ENGINE_KEYS:
+    for k in ENGINE_KEYS + CACHE_KEYS:
         v = getattr(s, k)
         if v is not None:
             lines.append(f"{k} = {_toml_value(v)}")
