@@ -45,6 +45,9 @@ class Plan:
 
 
 def slot_bytes(container: Container) -> int:
+    """One RAM slot: the largest expert, aligned (0 for a model without routed experts)."""
+    if not container.experts:
+        return 0
     span = max(loc.end - loc.start for loc in container.experts.values())
     return (span + 3 * ALIGN - 1) // ALIGN * ALIGN
 
@@ -95,13 +98,13 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     elif ram_gb is not None:
         if not math.isfinite(ram_gb) or ram_gb <= 0:
             raise ColiError("--ram-gb must be a finite number > 0")
-        mode, n = "ram-gb", int(ram_gb * GB // (slot * max(1, len(layers))))
+        mode, n = "ram-gb", int(ram_gb * GB // max(1, slot * len(layers)))
         if n < 1:
             raise ColiError(f"--ram-gb {ram_gb:g} is too small: one expert per layer needs "
                             f"{slot * len(layers) / GB:.3f} GB")
     else:
         budget = AUTO_SHARE * available - dense - RUNTIME_OVERHEAD - kv_reserved
-        mode, n = "auto", max(1, int(budget // (slot * max(1, len(layers)))))
+        mode, n = "auto", max(1, int(budget // max(1, slot * len(layers))))
     n = min(n, E)
     expert_total = sum(l.end - l.start for l in experts.values())
     per_expert = expert_total / max(1, len(experts))

@@ -42,7 +42,7 @@ POSITIVE_FIELDS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"
                    "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow")
 
 
-def _check_numbers(p: dict) -> None:
+def check_numbers(p: dict) -> None:
     for key in POSITIVE_FIELDS:
         if p.get(key) is not None and not is_positive_number(p[key]):
             raise ColiError(f"rope_parameters: {key} must be a finite number > 0, got {p[key]!r}")
@@ -63,7 +63,7 @@ class Rope:
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ColiError(f"rope type '{kind}' is not supported (supported: "
                             f"{', '.join(SUPPORTED_ROPE_TYPES)})")
-        _check_numbers(p)
+        check_numbers(p)
         if not partial and float(p.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ColiError("partial_rotary_factor != 1 is not supported for this model type")
         dim = head_dim

@@ -63,13 +63,13 @@ class TieredStore(ExpertStore):
         self.policy = policy or LRU()
         self.prefetch_enabled = prefetch
         self._layers_of = sorted({layer for layer, _ in container.experts})
-        self.num_experts = 1 + max(e for _, e in container.experts)
+        self.num_experts = 1 + max((e for _, e in container.experts), default=-1)   # 0: a dense model
         self.slot_bytes = slot_bytes(container)        # largest expert + room to align reads
         # Every slot in one page-aligned arena: a big model's tens of thousands of slots are not
         # as many mappings (Linux allows 65,530 per process by default).
         size = self.slot_bytes * cap * len(self._layers_of)
         try:
-            arena = anonymous_buffer(size)
+            arena = anonymous_buffer(size) if size else memoryview(bytearray(0))
         except (OSError, OverflowError) as e:      # more than the OS will map at all
             raise ColiError(f"cannot reserve {size / 1e9:.1f} GB for {cap} experts per layer "
                             f"({getattr(e, 'strerror', None) or e}); ask for fewer with --cap or "

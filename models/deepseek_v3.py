@@ -13,7 +13,8 @@ from core.arch import ArchSpec, ConfigReader, common_spec
 from core.blocks.layer import Layer
 from core.blocks.mla import MLA
 from core.blocks.mlp import SwiGLU
-from core.rope import rope_parameters
+from core.errors import ColiError
+from core.rope import check_numbers as check_rope_numbers, rope_parameters
 
 from .glm4_moe import dense_first, sigmoid_moe
 
@@ -37,8 +38,15 @@ def softmax_scale(config: dict, qk_head_dim: int) -> float:
     (transformers' yarn_apply_mscale)."""
     scale = qk_head_dim ** -0.5
     p = rope_parameters(config)
+    check_rope_numbers(p)          # a malformed field is one clear line, here as in core.rope
     if p.get("rope_type", "default") != "default" and p.get("mscale_all_dim"):
-        m = yarn_mscale(p["factor"], p["mscale_all_dim"])
+        factor = p.get("factor")
+        if factor is None:         # as core.rope's yarn: the context's growth over the original
+            original = p.get("original_max_position_embeddings")
+            if not original or not config.get("max_position_embeddings"):
+                raise ColiError("deepseek_v3 config: rope_parameters has mscale_all_dim but no factor")
+            factor = config["max_position_embeddings"] / original
+        m = yarn_mscale(factor, p["mscale_all_dim"])
         scale = scale * m * m
     return scale
 

@@ -23,6 +23,7 @@ DEFAULTS = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, nu
                 topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False)
 # attribute_map (num_local_experts -> n_routed_experts), and the key the Hub's configs use
 ALIASES = {"num_experts": ("n_routed_experts", "num_local_experts")}
+MAX_SCALING = 1e4       # real models use 1-2.5; far larger overflows float32 activations
 
 
 def sigmoid_moe(r: ConfigReader, spec: ArchSpec) -> MoE:
@@ -35,8 +36,9 @@ def sigmoid_moe(r: ConfigReader, spec: ArchSpec) -> MoE:
     r.refuse(n_group > 1 and topk_group * (E // n_group) < spec.top_k,
              f"num_experts_per_tok {spec.top_k} above the experts of {topk_group} groups")
     inter, shared = r.positive_int("moe_intermediate_size"), r.int("n_shared_experts")
-    router = SigmoidGroupRouter(spec.top_k, n_group, topk_group, spec.norm_topk_prob,
-                                r.number("routed_scaling_factor"))
+    scaling = r.number("routed_scaling_factor")
+    r.refuse(scaling > MAX_SCALING, f"routed_scaling_factor {scaling:g} (implausibly large: the logits overflow)")
+    router = SigmoidGroupRouter(spec.top_k, n_group, topk_group, spec.norm_topk_prob, scaling)
     return MoE(spec.hidden_size, E, router, inter, SwiGLU(spec.hidden_size, inter * shared) if shared else None)
 
 

@@ -39,11 +39,11 @@ def indexer_types(r: ConfigReader, layers: int) -> list[str]:
         elif pattern is not None:
             given = pattern
         else:
-            freq = max(r.get("index_topk_freq") or 1, 1)
-            offset = r.get("index_skip_topk_offset")
-            offset = 2 if offset is None else offset
+            freq, offset = r.get("index_topk_freq"), r.get("index_skip_topk_offset")
+            freq, offset = (1 if freq is None else freq), (2 if offset is None else offset)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (freq, offset)):
                 raise ColiError("glm_moe_dsa config: index_topk_freq and index_skip_topk_offset must be integers")
+            freq = max(freq, 1)
             given = ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(layers)]
     if not isinstance(given, list) or len(given) != layers or set(given) - {"full", "shared"}:
         raise ColiError(f"glm_moe_dsa config: indexer_types must list 'full' or 'shared' for each of the "

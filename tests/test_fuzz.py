@@ -292,17 +292,37 @@ def test_converter_inputs_convert_cleanly_or_are_refused(pristine_source, tmp_pa
     """Mutated Hugging Face sources: `coli convert` either writes a container that opens and gives
     finite logits, or refuses with one clean line and leaves no complete-looking container."""
     seed = (request.config.getoption("--fuzz-seed") or DEFAULT_SEED) + 1
-    budget = request.config.getoption("--fuzz-seconds") / 3
+    case = _fuzz_convert(pristine_source, SOURCE_TARGETS, seed, request.config.getoption("--fuzz-seconds") / 3,
+                         tmp_path, "converter inputs")
+    assert case >= len(SOURCE_TARGETS)
+
+
+FAMILY_FIXTURES = ("glm4moe-a", "deepseekv3-b", "glmdsa-b")    # every config reader of issue 17
+
+
+@pytest.mark.parametrize("name", FAMILY_FIXTURES)
+def test_family_configs_convert_cleanly_or_are_refused(name, tmp_path, request):
+    """The same for the newer families' config readers (MLA sizes, routers' groups, DSA's
+    indexer_types / index_topk_pattern, mlp_layer_types, partial RoPE): mutated config.json of
+    a real tiny transformers checkpoint of each."""
+    from tests.conftest import COMMITTED
+    seed = (request.config.getoption("--fuzz-seed") or DEFAULT_SEED) + 7 + FAMILY_FIXTURES.index(name)
+    case = _fuzz_convert(COMMITTED / name / "model", ("config",), seed,
+                         request.config.getoption("--fuzz-seconds") / 6, tmp_path, f"{name} config")
+    assert case >= 1
+
+
+def _fuzz_convert(pristine, targets, seed: int, budget: float, tmp_path, label: str) -> int:
     rng = random.Random(seed)
     t_end = time.monotonic() + budget
     failures, case, counts = [], 0, {"converted": 0, "refused": 0}
     while time.monotonic() < t_end and len(failures) < 5:
         case += 1
-        target = SOURCE_TARGETS[case % len(SOURCE_TARGETS)]
+        target = targets[case % len(targets)]
         src, out = tmp_path / f"src{case % 2}", tmp_path / f"out{case % 2}"
         for d in (src, out):
             shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(pristine_source, src)
+        shutil.copytree(pristine, src)
         what = mutate_source(rng, src, target)
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
@@ -336,6 +356,6 @@ def test_converter_inputs_convert_cleanly_or_are_refused(pristine_source, tmp_pa
             failures.append(f"{where}\n  converted, then logits {rc2!r}: {err2.strip().splitlines()[-3:]}")
         elif not np.isfinite(np.load(tmp_path / "l.npy")).all():
             failures.append(f"{where}\n  converted, then NaN/inf logits")
-    print(f"\nfuzz (converter inputs): seed {seed}, {case} cases in {budget:.0f} s: {counts}")
+    print(f"\nfuzz ({label}): seed {seed}, {case} cases in {budget:.0f} s: {counts}")
     assert not failures, "\n".join(failures)
-    assert case >= len(SOURCE_TARGETS)
+    return case
