@@ -12,6 +12,9 @@ from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
 
 FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa)}
+# Kimi-K2's config.json says "kimi_k2": its remote-code config class is DeepseekV3Config under
+# another name, and its architectures DeepseekV3ForCausalLM (transformers 5.24 has no kimi_k2)
+FAMILIES["kimi_k2"] = DeepseekV3
 
 
 def supported_types() -> list[str]:

@@ -163,3 +163,25 @@ def test_bad_arguments(tmp_path):
         write_random_container(tmp_path / "x", small_config("olmoe"), bits=16)
     with pytest.raises(ColiError):
         write_random_container(tmp_path / "y", {"model_type": "llama"})
+
+
+@pytest.mark.parametrize("name", ["glm4moe-a", "deepseekv3-b", "glmdsa-a"])
+def test_newer_families_same_layout_as_converting_their_transformers_checkpoint(tmp_path, name):
+    """The family's layout (core.layout.expected_tensors) is the one source of the tensors: a
+    synthetic container of a real tiny transformers checkpoint's config has the converted one's
+    tensors, shapes and headers, and runs (MLA latent cache, DSA indexer, shared experts...)."""
+    from tests.conftest import COMMITTED
+    src = COMMITTED / name / "model"
+    cfg = json.loads((src / "config.json").read_text())
+    ref = conv.convert(src, tmp_path / "conv", validate_config=validate_config)
+    syn = write_random_container(tmp_path / "syn", cfg)
+    mref, msyn = (json.loads((d / "colibri.json").read_text()) for d in (ref, syn))
+    assert msyn["tensors"] == mref["tensors"] and msyn["shards"] == mref["shards"]
+    for shard in mref["shards"]:
+        assert header_bytes(syn / shard) == header_bytes(ref / shard), shard
+    shapes = {}
+    for f in src.glob("*.safetensors"):
+        shapes.update({n: t.shape for n, t in SafetensorsFile(f).tensors.items()})
+    assert shapes == tensor_shapes(cfg)
+    logits = open_model(syn).logits([1, 2, 3, 50, 7, 9, 11])     # past index_topk: DSA selects
+    assert np.isfinite(logits).all()
