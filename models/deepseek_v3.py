@@ -51,18 +51,20 @@ def softmax_scale(config: dict, qk_head_dim: int) -> float:
     return scale
 
 
-def mla_spec(r: ConfigReader, generation_config: dict | None, **mla_extra) -> tuple[ArchSpec, dict]:
-    """The ArchSpec fields MLA families share, and the MLA block's sizes."""
+def mla_spec(r: ConfigReader, generation_config: dict | None, reads_interleave: bool = True,
+             **mla_extra) -> tuple[ArchSpec, dict]:
+    """The ArchSpec fields MLA families share, and the MLA block's sizes. ``reads_interleave``:
+    the family honours ``rope_interleave`` (DeepSeek-V3; GLM-5 always interleaves)."""
     spec = common_spec(r, generation_config)
     r.refuse(spec.num_kv_heads != spec.num_heads, "num_key_value_heads different from num_attention_heads")
-    r.refuse(r.get("rope_interleave") is False, "rope_interleave = false")
+    interleave = r.flag("rope_interleave") if reads_interleave and r.get("rope_interleave") is not None else True
     nope, rope, v = r.positive_int("qk_nope_head_dim"), r.positive_int("qk_rope_head_dim"), r.positive_int("v_head_dim")
     r.refuse(rope % 2 != 0, f"an odd qk_rope_head_dim ({rope})")
     # q_lora_rank null means a plain q_proj (the reader would give an absent or null field the default)
     plain_q = "q_lora_rank" in r.config and r.config["q_lora_rank"] is None
     sizes = dict(hidden=spec.hidden_size, heads=spec.num_heads, q_lora_rank=0 if plain_q else r.positive_int("q_lora_rank"),
                  kv_lora_rank=r.positive_int("kv_lora_rank"), qk_nope=nope, qk_rope=rope, v_head_dim=v,
-                 scale=softmax_scale(r.config, nope + rope), bias=spec.attention_bias)
+                 scale=softmax_scale(r.config, nope + rope), bias=spec.attention_bias, interleave=interleave)
     sizes.update(mla_extra)
     # transformers points head_dim at the rope dims (the rotary table reads it); ours says the
     # query/key width and keeps the table's size apart

@@ -71,7 +71,7 @@ class GlmMoeDsa:
     @staticmethod
     def spec(config: dict, generation_config: dict | None = None) -> ArchSpec:
         r = ConfigReader("glm_moe_dsa", config, DEFAULTS, ALIASES)
-        spec, sizes = mla_spec(r, generation_config)
+        spec, sizes = mla_spec(r, generation_config, reads_interleave=False)
         r.refuse(not sizes["q_lora_rank"], "q_lora_rank = null (the indexer reads the q-LoRA residual)")
         types = r.get("layer_types")
         r.refuse(types is not None and (not isinstance(types, list) or set(types) - {"indexed_attention"}),

@@ -74,7 +74,6 @@ def test_glm_moe_dsa_indexer_types_in_every_spelling():
 
 
 @pytest.mark.parametrize("name,change,message", [
-    ("deepseekv3-a", {"rope_interleave": False}, "rope_interleave = false"),
     ("deepseekv3-a", {"num_key_value_heads": 2}, "num_key_value_heads different"),
     ("deepseekv3-a", {"n_group": 3}, "n_group 3 not dividing"),
     ("deepseekv3-a", {"topk_group": 9}, "topk_group 9 > n_group"),

@@ -53,6 +53,11 @@ def rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """The usual RoPE (rotate-half) on x [T, n, r]: DeepSeek-V3 with ``rope_interleave`` false."""
+    return kernels.rope(np.array(x, dtype=np.float32, order="C"), cos, sin)
+
+
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     d = x - mean
@@ -91,6 +96,7 @@ class MLA:
     bias: bool = False          # attention_bias: q_a / kv_a / o biases
     indexer: Indexer | None = None    # DSA on this layer ("full")
     shared_index: bool = False        # DSA, reusing the previous layer's selection ("shared")
+    interleave: bool = True           # DeepSeek's RoPE layout; False: rotate-half (rope_interleave)
 
     def cache_kind(self):
         latent = Latent(self.kv_lora_rank, self.qk_rope)
@@ -150,7 +156,8 @@ class MLAAttention:
             self.ix_weights = c.load(q + "weights_proj.weight")
         # decode's compiled step (input already normed, no residual: the engine's step-by-step
         # call), or None (weights not all int4 with one group size, no extension)
-        self.fast = self._compiled(None, 0.0)
+        self.fast = self._compiled(None, 0.0) if spec.interleave else None
+        self.rope = rope_interleaved if spec.interleave else rope_rotate_half
 
     def _compiled(self, input_norm, eps: float):
         s = self.spec
@@ -198,10 +205,10 @@ class MLAAttention:
         else:
             q_resid, q = None, kernels.matmul(h, self.q)
         q = q.reshape(T, s.heads, s.qk_nope + s.qk_rope)
-        q_nope, q_rot = q[..., : s.qk_nope], rope_interleaved(q[..., s.qk_nope:], cos, sin)
+        q_nope, q_rot = q[..., : s.qk_nope], self.rope(q[..., s.qk_nope:], cos, sin)
         kv = linear(h, self.kv_a, self.kv_a_bias)
         latent = kernels.rms_norm(kv[:, : s.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
-        k_rot = rope_interleaved(kv[:, None, s.kv_lora_rank:], cos, sin)[:, 0]
+        k_rot = self.rope(kv[:, None, s.kv_lora_rank:], cos, sin)[:, 0]
         rows = cache.append_part(i, "latent", np.concatenate([latent, k_rot], axis=-1)[:, None, :])
         allowed = None
         if s.indexer is not None:
