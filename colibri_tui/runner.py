@@ -83,7 +83,7 @@ def run_generation(engine, messages, sampling, max_new_tokens: int, post: Callab
         rate_t0, rate_n = now, 0
 
     try:
-        if cancelled():               # stopped before it began: the engine clears its flag on start
+        if cancelled():               # stopped before it began (each generation has its own flag)
             raise _StoppedEarly()
         for ev in engine.generate(messages, sampling, stop=list(stop), max_new_tokens=max_new_tokens):
             if cancelled() and not cancel_sent:

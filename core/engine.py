@@ -401,7 +401,9 @@ class Engine:
             raise
         finally:
             self._cancel_checks = False
-            if keep and self.prefix_cache:
+            # a cache whose kinds cannot truncate is kept only if no pass was cut short (a cut
+            # pass commits no position, but a fixed-size state may have folded some in)
+            if keep and self.prefix_cache and (self.prefixes.truncatable or not turn.get("cut")):
                 # the positions committed: the prompt, then the generated tokens fed back
                 self.prefixes.put((ids + turn["new"])[: cache.length], cache, len(ids), turn["logits"])
             else:
@@ -426,6 +428,7 @@ class Engine:
                 logits = turn["logits"] = self.prefill(ids[cached:], cache)
         except _Cancelled:
             logits, reason = None, "cancelled"
+            turn["cut"] = True       # a pass stopped inside: only its layers' fixed state saw it
         t_prefill = time.perf_counter() - t0
         t_decode = time.perf_counter()
 
@@ -477,6 +480,7 @@ class Engine:
                 logits = self.forward([tok], cache)[-1]
             except _Cancelled:
                 reason = "cancelled"
+                turn["cut"] = True
                 break
         if reason != "stop":
             text += decoder.flush() if decoder is not None else ""

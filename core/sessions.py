@@ -25,7 +25,9 @@ the same turn gives without the restart.
 
 The files live in one directory under a disk budget (``budget_bytes``): after each save the least
 recently used files (by modification time: loading one touches it) are deleted until the total
-fits; a cache larger than the whole budget is not saved.
+fits; a cache larger than the whole budget is not saved. A cache with a fixed-size state (a
+linear-attention layer's conv and recurrent arrays, ``KVCache.state``) is not saved by this
+format version: its layers would need their state beside the rows.
 """
 from __future__ import annotations
 
@@ -153,6 +155,11 @@ class SessionStore:
         entry = entry if entry is not None else engine.prefixes.latest()
         target = self.path(key)
         if entry is None or not entry.ids:
+            return None
+        if any(getattr(entry.cache, "state", None) or ()):
+            # a fixed-size state (a linear-attention layer's conv / recurrent arrays) is not in
+            # this format yet: saving the growing arrays alone would restore a wrong state
+            target.unlink(missing_ok=True)
             return None
         cache, n = entry.cache, entry.cache.length
         parts = cache_parts(cache)

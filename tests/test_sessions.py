@@ -244,6 +244,14 @@ def test_settings_show_the_saved_caches_and_switch_reuse_off(demo, dirs):
             assert len(app.engine.prefixes) == 0
             st = await send(pilot, "Another")
             assert st["stats"]["cached_tokens"] == 0
+            # F8: deleting the chat deletes its saved cache
+            chat = app.chat_id
+            assert app.sessions.path(chat).is_file()
+            app.action_delete_chat()
+            await pilot.pause(0.1)
+            await pilot.press("y")
+            await wait_for(pilot, lambda: app.chat_id != chat, 10)
+            assert not app.sessions.path(chat).exists()
     asyncio.run(go())
 
 
