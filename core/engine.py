@@ -343,6 +343,7 @@ class Engine:
                 * kv_reserved_positions(self.spec))
             pool = self._prefixes = PrefixPool(budget, self.prefix_cache_entries,
                                                truncatable=can_truncate(self.spec), release=self.recycle_cache)
+            pool.bytes_per_position = cache_kinds.bytes_per_position(self.spec.cache_kinds, self.kv_dtype.name)
         return pool
 
     def cancel(self) -> None:
@@ -387,7 +388,9 @@ class Engine:
     def _run(self, ids, sample, stop, max_new_tokens, flag):
         self._cancel = flag
         if self.prefix_cache:
-            cache, cached, logits = self.prefixes.take(ids, self.new_cache)
+            # room for the prompt: older entries leave first (the reply's growth is settled when
+            # the cache comes back, put() evicting past the budget)
+            cache, cached, logits = self.prefixes.take(ids, self.new_cache, len(ids))
         else:
             cache, cached, logits = self.new_cache(), 0, None
         turn = {"cached": cached, "logits": logits, "new": []}

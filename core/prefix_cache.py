@@ -88,6 +88,7 @@ class PrefixPool:
 
     def __init__(self, budget_bytes: int, max_entries: int = 4, truncatable: bool = True, release=None):
         self.budget_bytes, self.max_entries = int(budget_bytes), int(max_entries)
+        self.bytes_per_position = 0      # the cache of one more position (take's room check)
         self.truncatable = truncatable
         self.release = release           # called with each evicted cache (Engine.recycle_cache)
         self.entries: list[Entry] = []
@@ -115,13 +116,16 @@ class PrefixPool:
                 best, best_n = e, n
         return best, best_n
 
-    def take(self, ids: Sequence[int], new_cache) -> tuple[object, int, object]:
+    def take(self, ids: Sequence[int], new_cache, positions: int = 0) -> tuple[object, int, object]:
         """(a cache holding the longest cached prefix of ids, its length, the last prompt
         position's logits when the whole prompt is cached, else None); length 0: a new cache from
         ``new_cache()``. An entry is taken out of the pool and truncated, unless more than
         BRANCH_TAIL of its positions would be lost: then its prefix is copied into a new cache
-        and the entry stays."""
+        and the entry stays. ``positions``: the cache the generation starts with (its prompt);
+        the least recently used other entries leave first, so that the pool and that cache
+        together stay within the budget."""
         entry, n = self.best(ids)
+        self._make_room(positions * self.bytes_per_position, keep=entry)
         if entry is None:
             return new_cache(), 0, None
         logits = entry.logits if n == len(ids) else None
@@ -150,6 +154,15 @@ class PrefixPool:
                 self._release(e.cache)
         self.entries.append(Entry(ids, cache, prompt_len, logits))
         self._evict()
+
+    def _make_room(self, need: int, keep=None) -> None:
+        while need and self.nbytes() + need > self.budget_bytes:
+            others = [e for e in self.entries if e is not keep]
+            if not others:
+                return
+            oldest = min(others, key=lambda e: e.used)
+            self.entries.remove(oldest)
+            self._release(oldest.cache)
 
     def _evict(self) -> None:
         while len(self.entries) > 1 and (len(self.entries) > self.max_entries or

@@ -213,9 +213,11 @@ def test_the_pool_is_bounded_by_the_reserved_cache_memory(demo):
     assert engine.prefixes.budget_bytes == engine.plan.kv_reserved_bytes > 0
     engine.prefixes.budget_bytes = 1          # nothing fits: only the newest is kept
     turn(engine, list(range(30, 60)), 3)
+    first = engine.prefixes.latest().cache.k[0]
     turn(engine, list(range(300, 340)), 3)
     assert len(engine.prefixes) == 1 and engine.prefixes.latest().ids[0] == 300
-    assert engine._kv_spare is not None       # the evicted one's memory goes to the next cache
+    # the evicted one left before the new prompt's cache was made, which writes over its memory
+    assert engine.prefixes.latest().cache.k[0] is first
     engine.prefixes.budget_bytes = 10 ** 12
     for i in range(6):
         turn(engine, [500 + i] * 20, 2)
@@ -308,3 +310,27 @@ def test_done_names_the_stop_string_that_matched(demo):
     _, got, _, done = turn(engine, "Tell me a fortune", 20, stop=["@@never@@", stop])
     assert done.reason == "stop" and done.stop == stop and got == text[: text.find(stop)]
     assert turn(engine, "Tell me a fortune", 3)[3].stop is None
+
+
+def test_a_new_prompt_makes_room_in_the_pool_first(demo):
+    """The pool and the cache a generation starts with stay within the budget: older entries
+    leave before the new prompt is prefilled, the entry it continues never."""
+    engine = open_engine(demo)
+    per = engine.prefixes.bytes_per_position
+    assert per > 0
+    for i in range(3):
+        turn(engine, [600 + i] * 100, 2)                 # three entries of 101 positions
+    assert len(engine.prefixes) == 3
+    engine.prefixes.budget_bytes = 330 * per
+    seen = []
+    inner = engine.forward
+
+    def forward(ids, cache, all_logits=False):
+        seen.append(engine.prefixes.nbytes() + (cache.length + len(ids)) * per)
+        return inner(ids, cache, all_logits)
+    engine.forward = forward
+    turn(engine, [700] * 150, 2)                         # 150 new: two old entries must go
+    assert seen[0] <= engine.prefixes.budget_bytes
+    assert [e.ids[0] for e in engine.prefixes.entries] == [602, 700]
+    _, _, st, _ = turn(engine, [602] * 100 + [5] * 200, 2)    # continues 602, evicts 700 first
+    assert st.cached_tokens == 100 and [e.ids[0] for e in engine.prefixes.entries] == [602]
