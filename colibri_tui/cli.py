@@ -412,10 +412,17 @@ def cmd_info(args) -> int:
         "kernels": kernels.backend(), "openmp": kernels.openmp_enabled(),
         "threads": kernels.get_threads(), "simd": kernels.simd_level(),
     }
+    dropped = c.manifest.get("dropped")
+    if isinstance(dropped, dict):       # a vision tower the converter left out
+        info["dropped"] = dropped
     if args.json:
         print(json.dumps(info))
     else:
         info["mtp"] = _mtp_summary(c.path, c.manifest) or "none"
+        if isinstance(dropped, dict):
+            info["dropped"] = (f"{', '.join(p + '*' for p in dropped.get('prefixes', []))} left out at conversion "
+                               f"(no part of the language model: {dropped.get('tensors', 0)} tensors, "
+                               f"{dropped.get('source_bytes', 0) / 1e6:.1f} MB of source)")
         for k, v in info.items():
             print(f"{k:>14}: {v}")
     return 0
@@ -444,6 +451,8 @@ def cmd_plan(args) -> int:
           + (f" ({gb(plan.kv_reserved_bytes)} kept free for it)" if plan.mode == "auto" else ""))
     from core.cache_kinds import describe
     print(f"per position     {plan.kv_bytes_per_position:,} bytes: {describe(spec.cache_kinds, args.kv_cache)}")
+    if plan.fixed_state_bytes:        # recurrent / conv state: its size whatever the context
+        print(f"fixed state      {gb(plan.fixed_state_bytes)} (recurrent + conv state, whatever the context)")
     print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
     print(f"projected hits   {plan.projected_hit_rate:.1%}")
     print(f"bound by         {plan.bound}")

@@ -45,6 +45,17 @@ class ArchSpec:
     rope_partial: bool = False          # the table covers partial_rotary_factor x head_dim
     dense_intermediate: int | None = None    # the default composition's MLP sizes (None: the
     expert_intermediate: int | None = None   #   tensors say, consistently)
+    # where the language model's tensors sit in the checkpoint: {prefix}embed_tokens.weight,
+    # {prefix}layers.N., {prefix}norm.weight (the head is lm_head.weight either way); a composite
+    # image-text checkpoint nests them ("model.language_model.")
+    prefix: str = "model."
+    norm_offset: float = 0.0            # the final norm multiplies by weight + this ((1+w) RMSNorm: 1)
+    # config.json's language-model part when it nests one (a composite model's text_config: RoPE
+    # and the sizes are read there); None: config.json itself
+    text_config: dict | None = None
+    # tensor-name prefixes of the checkpoint that are no part of the language model (a vision
+    # tower): the converter leaves them out and says so in the manifest (coli info)
+    dropped: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.cache_kinds:            # full attention everywhere unless the family says
@@ -125,6 +136,13 @@ class ConfigReader:
     def refuse(self, condition: bool, what: str) -> None:
         if condition:
             raise ColiError(f"{self.model_type} config: {what} is not supported")
+
+
+def language_config(config: dict) -> dict:
+    """The part of config.json that describes the language model: a composite (image-text)
+    model's ``text_config`` (transformers' get_text_config), else config.json itself."""
+    nested = config.get("text_config") if isinstance(config, dict) else None
+    return nested if isinstance(nested, dict) else config
 
 
 def is_positive_number(value) -> bool:

@@ -83,6 +83,58 @@ class IndexKeys(_Growing):
         return f"index keys ({self.dim})"
 
 
+class _Fixed:
+    """A kind whose arrays have one size whatever the context: a linear-attention layer's conv
+    window and recurrent state, which every position folds into. ``state_parts()`` names them,
+    each with its full shape; they are float32 whatever the KV cache's precision (the delta rule
+    accumulates into them position after position: half precision would drift), allocated once
+    per cache, zeroed for a new sequence and written in place by the layer."""
+
+    # the positions are folded in: a cache holding them cannot drop its last ones (see _Growing)
+    truncatable = False
+    dtype = "float32"
+
+    def state_parts(self) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def bytes_per_position(self, dtype: str = "float32") -> int:
+        return 0
+
+    def fixed_bytes(self, dtype: str = "float32") -> int:
+        import math
+        return sum(math.prod(shape) for shape in self.state_parts().values()) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Conv(_Fixed):
+    """A causal depthwise convolution's window: the last ``width`` (kernel - 1) inputs of each of
+    ``channels`` channels, oldest first (transformers' conv_state [channels, kernel - 1])."""
+    channels: int
+    width: int
+    name = "conv"
+
+    def state_parts(self):
+        return {"conv": (self.channels, self.width)}
+
+    def describe(self) -> str:
+        return f"conv state ({self.channels} x {self.width})"
+
+
+@dataclass(frozen=True)
+class Recurrent(_Fixed):
+    """A delta-rule layer's recurrent state S: ``heads`` matrices [k_dim, v_dim]."""
+    heads: int
+    k_dim: int
+    v_dim: int
+    name = "recurrent"
+
+    def state_parts(self):
+        return {"recurrent": (self.heads, self.k_dim, self.v_dim)}
+
+    def describe(self) -> str:
+        return f"recurrent state ({self.heads} x {self.k_dim} x {self.v_dim})"
+
+
 def layer_kinds(entry) -> tuple:
     """A layer's entry in ArchSpec.cache_kinds: one kind, or a tuple of kinds (MLA + index keys)."""
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
@@ -100,7 +152,9 @@ def fixed_bytes(kinds, dtype: str = "float32") -> int:
 
 def describe(kinds, dtype: str = "float32") -> str:
     """What the layers keep per position, e.g. "latent (512 + 64 rope) + index keys (128) on 76
-    layers, latent (512 + 64 rope) on 2 layers: 2,344 bytes each" -- for coli plan."""
+    layers, latent (512 + 64 rope) on 2 layers: 2,344 bytes each" -- for coli plan. Layers that
+    keep a fixed-size state say its bytes apart: "conv state (8192 x 3) + recurrent state (32 x
+    128 x 128) on 30 layers: 0 bytes each + 2,195,456 fixed"."""
     groups: dict[tuple, int] = {}
     for entry in kinds:
         key = layer_kinds(entry)
@@ -109,5 +163,7 @@ def describe(kinds, dtype: str = "float32") -> str:
     for key, n in groups.items():
         what = " + ".join(getattr(k, "describe", lambda k=k: k.name)() for k in key)
         each = sum(k.bytes_per_position(dtype) for k in key)
-        parts.append(f"{what} on {n} layer{'s' if n != 1 else ''}: {each:,} bytes each")
+        fixed = sum(k.fixed_bytes(dtype) for k in key)
+        parts.append(f"{what} on {n} layer{'s' if n != 1 else ''}: {each:,} bytes each"
+                     + (f" + {fixed:,} fixed" if fixed else ""))
     return "; ".join(parts)

@@ -19,6 +19,10 @@ Checkpoints as the Hub ships them:
   (``mtp-0000i-of-0000k.safetensors``, quantized with the same classes), listed in the manifest
   under ``"mtp"`` and not under ``"shards"``, so the engine never opens them; their checksums are
   recorded with the others. ``drop_mtp`` leaves them out (the manifest still says so).
+* Tensors the family declares no part of the language model (``ArchSpec.dropped``: a composite
+  image-text checkpoint's vision tower, ``model.visual.*``) are left out; the manifest's
+  ``"dropped"`` says which prefixes, how many tensors and their source bytes (``coli info``).
+  Sizes of a composite checkpoint come from its ``text_config``.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import numpy as np
 import psutil
 
 from . import quant
+from .arch import language_config
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_place
 from .errors import ColiError
 from .fileio import atomic_write_text
@@ -53,6 +58,7 @@ FP8_BLOCK = 128
 CONVERTER_VERSION = 1
 MTP_KEY = "mtp"                 # the manifest's entry for the MTP layers (see mtp_group)
 MTP_SHARD_PREFIX = "mtp-"       # their shards: mtp-00001-of-0000k.safetensors
+DROPPED_KEY = "dropped"         # the manifest's entry for tensors no part of the language model
 _FUSED = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<kind>gate_up_proj|down_proj)$")
 _MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MTP_TOP = re.compile(r"^((?:model\.)?mtp)\.(?:(layers\.\d+)\.)?")
@@ -403,14 +409,24 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
     if src.resolve() == out.resolve() or src.resolve().is_relative_to(out.resolve()):
         raise ColiError(f"the output {out} is or contains the source {src}; choose another directory")
     config = load_config(src)
-    if validate_config is not None:
-        validate_config(config)
+    spec = validate_config(config) if validate_config is not None else None
+    # what the family says is no part of the language model (a vision tower): left out
+    drop = tuple(getattr(spec, "dropped", ()) or ())
+    text = language_config(config)       # a composite model's sizes are its text_config's
     _check_side_files(src)
     files = _open_sources(src)
     try:
         files_by_name = {n: f for f in files for n in f.tensors}
-        sources = _split_fused(_gather(files), config, files_by_name)
-        num_layers = config.get("num_hidden_layers")
+        gathered = _gather(files)
+        left_out = sorted(n for n in gathered if drop and n.startswith(drop))
+        dropped_entry = None
+        if left_out:
+            dropped_entry = {"prefixes": sorted({next(d for d in drop if n.startswith(d)) for n in left_out}),
+                             "tensors": len(left_out),
+                             "source_bytes": sum(gathered[n].nbytes for n in left_out)}
+            gathered = {n: s for n, s in gathered.items() if n not in set(left_out)}
+        sources = _split_fused(gathered, text, files_by_name)
+        num_layers = text.get("num_hidden_layers")
         mtp = {n: g for n in sources if (g := mtp_group(n, num_layers)) is not None}
         if validate_config is not None:   # the weights against the config, before any writing
             validate_config(config, {n: s.shape for n, s in sources.items() if n not in mtp})
@@ -435,6 +451,8 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}
     if mtp_entry is not None:       # only where it matters, so older journals still resume
         params["drop_mtp"] = bool(drop_mtp)
+    if dropped_entry is not None:
+        params["dropped"] = dropped_entry["prefixes"]
 
     def copy_side_files(out: Path) -> None:
         for fname in COPIED_FILES:
@@ -448,7 +466,7 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
             out, params, plan, bits, group_size, config.get("model_type"),
             write_tensor=lambda w, o, report: _convert_tensor(w, o, group_size, files_by_name, report),
             cost=lambda o: o.source.nbytes, finalize=copy_side_files, progress=progress,
-            mtp=mtp_entry)
+            mtp=mtp_entry, manifest_extra={DROPPED_KEY: dropped_entry} if dropped_entry else None)
     finally:
         for f in files:
             f.close()

@@ -25,6 +25,7 @@ from .planner import kv_reserved_positions
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
 from .blocks.mlp import expert_ffn  # noqa: F401  (re-exported: tools and tests use it)
+from .blocks.common import norm_weight
 from .store import ExpertStore
 
 
@@ -50,22 +51,46 @@ class KVCache:
 
     def __init__(self, spec: ArchSpec, recycled: list[dict] | None = None, dtype=np.float32):
         self.dtype = np.dtype(dtype)
-        if recycled is not None and next(iter(recycled[0].values())).dtype == self.dtype:
-            self.arrays = [dict(parts) for parts in recycled]
-        else:
-            # per layer, the arrays its cache kinds name (core.cache_kinds): k / v for KV, the
-            # latent for MLA, index keys for a sparse-attention indexer; each [lead, positions, width]
-            self.arrays = []
-            for i, entry in enumerate(spec.cache_kinds):
-                parts = {}
-                for kind in layer_kinds(entry):
-                    if not hasattr(kind, "parts"):
-                        raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
+        # per layer, the arrays its cache kinds name (core.cache_kinds): growing ones -- k / v for
+        # KV, the latent for MLA, index keys for a sparse-attention indexer; each [lead,
+        # positions, width] -- in ``arrays``, and fixed-size ones -- a linear-attention layer's
+        # conv window and recurrent state, float32, written in place -- in ``state``
+        self.arrays, self.state = [], []
+        for i, entry in enumerate(spec.cache_kinds):
+            parts, fixed = {}, {}
+            for kind in layer_kinds(entry):
+                if hasattr(kind, "parts"):
                     for name, (lead, width) in kind.parts().items():
-                        parts[name] = np.empty((lead, 0, width), self.dtype)
-                self.arrays.append(parts)
+                        parts[name] = (lead, width)
+                elif hasattr(kind, "state_parts"):
+                    for name, shape in kind.state_parts().items():
+                        fixed[name] = (tuple(shape), np.dtype(kind.dtype))
+                else:
+                    raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
+            self.arrays.append(parts)
+            self.state.append(fixed)
+        old = recycled if recycled is not None and len(recycled) == len(self.arrays) else None
+        if old is not None and any(a.dtype != self.dtype for layer, parts in zip(old, self.arrays)
+                                   for name, a in layer.items() if name in parts):
+            old = None           # another precision: nothing to write over
+        for i, (parts, fixed) in enumerate(zip(self.arrays, self.state)):
+            prev = old[i] if old is not None else {}
+            for name, (lead, width) in parts.items():
+                a = prev.get(name)
+                ok = a is not None and a.ndim == 3 and (a.shape[0], a.shape[2]) == (lead, width)
+                parts[name] = a if ok else np.empty((lead, 0, width), self.dtype)
+            for name, (shape, dt) in fixed.items():
+                a = prev.get(name)
+                if a is not None and a.shape == shape and a.dtype == dt:
+                    a.fill(0)            # a new sequence starts from the zero state
+                else:
+                    a = np.zeros(shape, dt)
+                fixed[name] = a
         self._views()
         self.length = 0     # positions committed (all layers)
+        # per layer, the positions its fixed state has folded in (== length after a whole pass;
+        # a pass cut short leaves them ahead, and a state layer then refuses to continue)
+        self.folded = [0] * len(self.arrays)
         self.reserve = kv_reserved_positions(spec)
 
     def _views(self) -> None:
@@ -75,7 +100,8 @@ class KVCache:
         self.v = [parts.get("v") for parts in self.arrays]
 
     def buffers(self) -> list[dict]:
-        return self.arrays
+        """Every array, per layer (growing and fixed): what a new cache writes over (recycled)."""
+        return [{**parts, **fixed} for parts, fixed in zip(self.arrays, self.state)]
 
     def capacity(self) -> int:
         """Positions every layer has room for without growing."""
@@ -121,7 +147,8 @@ class Engine:
         # no count given: follow the machine's load between passes (speed only, never bits)
         self.governor = kernels.thread_governor() if threads is None else None
         c = container
-        self.embed = c.load("model.embed_tokens.weight")
+        p = spec.prefix      # the language model's tensors in the checkpoint (core.arch.ArchSpec)
+        self.embed = c.load(p + "embed_tokens.weight")
         if self.embed.shape[0] != spec.vocab_size:
             raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
         if spec.tie_word_embeddings:
@@ -130,9 +157,9 @@ class Engine:
             raise ColiError(f"{c.path}: lm_head.weight is missing (tie_word_embeddings is false)")
         else:
             self.head = c.load("lm_head.weight")
-        self.final_norm = kernels.vector(c.load("model.norm.weight"))
+        self.final_norm = norm_weight(c, p + "norm.weight", spec.norm_offset)
         # each layer as the family composed it (ArchSpec.layer_plan: core.blocks)
-        self.layers = [decl.build(c, f"model.layers.{i}.", spec.rms_norm_eps)
+        self.layers = [decl.build(c, f"{p}layers.{i}.", spec.rms_norm_eps)
                        for i, decl in enumerate(spec.layer_plan())]
         if store is None:
             from .tiered_store import TieredStore
@@ -141,7 +168,7 @@ class Engine:
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
-        self.rope = Rope(c.config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
+        self.rope = Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
         self._cancel = threading.Event()
         self._cancel_checks = False      # True while generate() runs: forward() may stop early
         moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]

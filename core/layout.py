@@ -21,12 +21,12 @@ def expected_tensors(spec: ArchSpec) -> list:
     and head included: the one list of the checkpoint's tensors, read by this check, the
     converter, synthetic checkpoints and size estimates."""
     from .blocks.common import Need
-    H, V = spec.hidden_size, spec.vocab_size
-    out = [Need("model.embed_tokens.weight", (V, H)), Need("model.norm.weight", (H,))]
+    H, V, p = spec.hidden_size, spec.vocab_size, spec.prefix
+    out = [Need(p + "embed_tokens.weight", (V, H)), Need(p + "norm.weight", (H,))]
     if not spec.tie_word_embeddings:
         out.append(Need("lm_head.weight", (V, H)))
     for i, layer in enumerate(spec.layer_plan()):
-        out += layer.tensors(f"model.layers.{i}.", H)
+        out += layer.tensors(f"{p}layers.{i}.", H)
     return out
 
 

@@ -38,7 +38,8 @@ class Plan:
     projected_hit_rate: float
     bound: str
     kv_bytes_per_position: int = 0  # keys and values of every layer (float32, or float16)
-    kv_reserved_bytes: int = 0      # what the automatic budget leaves for the KV cache
+    kv_reserved_bytes: int = 0      # what the automatic budget leaves for the KV cache (incl. fixed state)
+    fixed_state_bytes: int = 0      # recurrent / conv state of every layer: its size whatever the context
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,8 +90,8 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     if kv_cache not in KV_CACHES:
         raise ColiError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     kv_position = kv_bytes_per_position(spec, kv_cache)
-    kv_reserved = (kv_position * kv_reserved_positions(spec)
-                   + cache_kinds.fixed_bytes(spec.cache_kinds, kv_cache))     # state that does not grow
+    fixed = cache_kinds.fixed_bytes(spec.cache_kinds, kv_cache)      # state that does not grow
+    kv_reserved = kv_position * kv_reserved_positions(spec) + fixed
     if cap is not None:
         if cap < 1:
             raise ColiError("--cap must be >= 1")
@@ -114,7 +115,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     ram_s = (active * hit + dense) / (ram_gbps * GB)
     bound = "disk" if disk_s > ram_s else "ram-bandwidth"
     return Plan(mode, n, E, len(layers), expert_total, slot, slot * n * len(layers), dense, available,
-                active, hit, bound, kv_position, kv_reserved)
+                active, hit, bound, kv_position, kv_reserved, fixed)
 
 
 def _projected_hit_rate(usage: dict | None, layers, E: int, cap: int) -> float:

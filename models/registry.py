@@ -10,11 +10,14 @@ from .glm4_moe import Glm4Moe
 from .glm_moe_dsa import GlmMoeDsa
 from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
+from .qwen3_5_moe import Qwen3_5Moe
 
-FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa)}
+FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa, Qwen3_5Moe)}
 # Kimi-K2's config.json says "kimi_k2": its remote-code config class is DeepseekV3Config under
 # another name, and its architectures DeepseekV3ForCausalLM (transformers 5.24 has no kimi_k2)
 FAMILIES["kimi_k2"] = DeepseekV3
+# Qwen3.5 / 3.6: the composite image-text type and its text-only form, one family
+FAMILIES["qwen3_5_moe_text"] = Qwen3_5Moe
 
 
 def supported_types() -> list[str]:
@@ -28,10 +31,12 @@ def family_for(config: dict):
     return FAMILIES[model_type]
 
 
-def validate_config(config: dict, shapes: dict | None = None, where: str = "the source checkpoint") -> None:
+def validate_config(config: dict, shapes: dict | None = None, where: str = "the source checkpoint"):
     """Refuse, before any work, a config we could not run (used by the converter); with
-    ``shapes`` (tensor name -> logical shape), also weights that disagree with the config."""
+    ``shapes`` (tensor name -> logical shape), also weights that disagree with the config.
+    Returns the ArchSpec (the converter reads the tensors the family drops from it)."""
     spec = family_for(config).spec(config)
     if shapes is not None:
         check_layout(spec, shapes, where)
-    Rope(config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
+    Rope(spec.text_config or config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
+    return spec

@@ -30,6 +30,10 @@ class GQA:
     rope_dim: int = 0               # the first dims of each head that RoPE turns; 0 = all of them
     o_bias: bool = True             # whether o_proj may carry a bias (GLM-4.5's never does)
     bias: bool = False              # the config's attention_bias (a synthetic checkpoint has them)
+    # gated attention (Qwen3.5 / 3.6): q_proj's rows are per head [q_h | gate_h] and the output
+    # is multiplied by sigmoid(gate) before o_proj
+    gated: bool = False
+    norm_offset: float = 0.0        # q/k norms multiply by weight + this ((1+w) RMSNorm: 1)
 
     def cache_kind(self) -> KV:
         return KV(self.kv_heads, self.head_dim)
@@ -37,7 +41,7 @@ class GQA:
     def tensors(self, p: str) -> list[Need]:
         H, qd, kvd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = []
-        for n, rows in (("q", qd), ("k", kvd), ("v", kvd)):
+        for n, rows in (("q", qd * (2 if self.gated else 1)), ("k", kvd), ("v", kvd)):
             out += [Need(p + f"{n}_proj.weight", (rows, H)), Need(p + f"{n}_proj.bias", (rows,), optional=True, synthetic=self.bias)]
         out.append(Need(p + "o_proj.weight", (H, qd)))
         if self.o_bias:
@@ -58,6 +62,9 @@ class GQAAttention:
         self.q, self.k, self.v, self.o = (c.load(p + f"{n}_proj.weight") for n in "qkvo")
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (opt(f"{n}_proj.bias") for n in "qkvo")
         self.q_norm, self.k_norm = opt("q_norm.weight"), opt("k_norm.weight")
+        if spec.norm_offset:
+            self.q_norm, self.k_norm = (None if w is None else (w + np.float32(spec.norm_offset)).astype(np.float32)
+                                        for w in (self.q_norm, self.k_norm))
         if spec.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
             raise ColiError(f"{p}: q_norm/k_norm weights are missing from the container")
         self.window = spec.window
@@ -69,7 +76,7 @@ class GQAAttention:
         router, the MoE input and its routing) as one compiled call, or None where it does not
         apply (partial RoPE, weights not all int4 with one group size, no extension)."""
         s = self.spec
-        if self.rope_dim != s.head_dim:
+        if self.rope_dim != s.head_dim or s.gated:
             return None
         return kernels.attention_block(
             [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
@@ -86,6 +93,11 @@ class GQAAttention:
         s, eps, T = self.spec, self.eps, h.shape[0]
         q, k, v = kernels.matmul_many(h, [self.q, self.k, self.v])       # one pass over x for all three
         q, k, v = biased(q, self.q_bias), biased(k, self.k_bias), biased(v, self.v_bias)
+        gate = None
+        if s.gated:              # per head [q_h | gate_h]
+            both = q.reshape(T, s.heads, 2, s.head_dim)
+            q = np.ascontiguousarray(both[:, :, 0]).reshape(T, s.heads * s.head_dim)
+            gate = np.ascontiguousarray(both[:, :, 1]).reshape(T, s.heads * s.head_dim)
         if s.qk_norm == "full":
             q, k = kernels.rms_norm(q, self.q_norm, eps), kernels.rms_norm(k, self.k_norm, eps)
         if s.clip is not None:
@@ -111,4 +123,7 @@ class GQAAttention:
             out = np.concatenate(parts)
         else:
             out = kernels.attention(q, keys, values, self.scale, pos, self.window)
+        if gate is not None:
+            with np.errstate(over="ignore"):
+                out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
         return linear(out, self.o, self.o_bias)

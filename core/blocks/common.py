@@ -19,6 +19,13 @@ class Need:
     synthetic: bool = True      # written into a synthetic checkpoint of the config (core.synthetic)
 
 
+def norm_weight(c, name: str, offset: float = 0.0) -> np.ndarray:
+    """A norm's weight as float32, plus ``offset`` (1 for a (1+w) RMSNorm, folded at load:
+    float32(1 + w) is what transformers multiplies by, so the products are the same)."""
+    w = kernels.vector(c.load(name))
+    return (w + np.float32(offset)).astype(np.float32) if offset else w
+
+
 def biased(y: np.ndarray, bias) -> np.ndarray:
     return y + bias if bias is not None else y
 

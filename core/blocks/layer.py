@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import kernels
-from .common import Need
+from .common import Need, norm_weight
 
 
 @dataclass(frozen=True)
 class Layer:
-    mixer: object       # core.blocks.attention.GQA | core.blocks.mla.MLA
+    mixer: object       # core.blocks.attention.GQA | core.blocks.mla.MLA | core.blocks.linear_attention.GatedDeltaNet
     ffn: object         # core.blocks.mlp.SwiGLU | core.blocks.mlp.MoE
+    norm_offset: float = 0.0    # the two norms multiply by weight + this ((1+w) RMSNorm: 1, folded at load)
+
+    @property
+    def mixer_prefix(self) -> str:
+        """Where the mixer's tensors sit in the layer: ``self_attn.`` (attention) unless the
+        mixer says otherwise (``linear_attn.``)."""
+        return getattr(self.mixer, "prefix", "self_attn.")
 
     @property
     def kind(self) -> str:
@@ -20,7 +26,7 @@ class Layer:
 
     def tensors(self, p: str, hidden: int) -> list[Need]:
         return ([Need(p + "input_layernorm.weight", (hidden,)), Need(p + "post_attention_layernorm.weight", (hidden,))]
-                + self.mixer.tensors(p + "self_attn.") + self.ffn.tensors(p + "mlp."))
+                + self.mixer.tensors(p + self.mixer_prefix) + self.ffn.tensors(p + "mlp."))
 
     def cache_kind(self):
         return self.mixer.cache_kind()
@@ -31,9 +37,9 @@ class Layer:
 
 class DecoderLayer:
     def __init__(self, decl: Layer, c, p: str, eps: float):
-        self.input_norm = kernels.vector(c.load(p + "input_layernorm.weight"))
-        self.post_norm = kernels.vector(c.load(p + "post_attention_layernorm.weight"))
-        self.attn = decl.mixer.build(c, p + "self_attn.", eps)
+        self.input_norm = norm_weight(c, p + "input_layernorm.weight", decl.norm_offset)
+        self.post_norm = norm_weight(c, p + "post_attention_layernorm.weight", decl.norm_offset)
+        self.attn = decl.mixer.build(c, p + decl.mixer_prefix, eps)
         self.ffn = decl.ffn.build(c, p + "mlp.")
         self.kind = self.ffn.kind
         self.router = getattr(self.ffn, "router", None)

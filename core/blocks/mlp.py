@@ -60,6 +60,9 @@ class MoE:
     router: object
     intermediate: int | None = None
     shared: SwiGLU | None = None
+    shared_prefix: str = "shared_experts."     # Qwen's one shared expert: "shared_expert."
+    # Qwen's sigma-gated shared expert: its output times sigmoid(shared_expert_gate x) ([1, hidden])
+    shared_gate: bool = False
 
     def tensors(self, p: str) -> list[Need]:
         out = list(self.router.tensors(p, self.num_experts, self.hidden))
@@ -67,19 +70,22 @@ class MoE:
         for e in range(self.num_experts):
             out += expert.tensors(p + f"experts.{e}.")
         if self.shared is not None:
-            out += self.shared.tensors(p + "shared_experts.")
+            out += self.shared.tensors(p + self.shared_prefix)
+            if self.shared_gate:
+                out.append(Need(p + "shared_expert_gate.weight", (1, self.hidden)))
         return out
 
     def build(self, c, p: str) -> "MoEBlock":
-        shared = self.shared.build(c, p + "shared_experts.").mlp if self.shared is not None else None
-        return MoEBlock(self.router.build(c, p, self.num_experts, self.hidden), shared)
+        shared = self.shared.build(c, p + self.shared_prefix).mlp if self.shared is not None else None
+        gate = c.load(p + "shared_expert_gate.weight") if shared is not None and self.shared_gate else None
+        return MoEBlock(self.router.build(c, p, self.num_experts, self.hidden), shared, gate)
 
 
 class MoEBlock:
     kind = "moe"
 
-    def __init__(self, router, shared: ExpertFFN | None = None):
-        self.router, self.shared = router, shared
+    def __init__(self, router, shared: ExpertFFN | None = None, shared_gate=None):
+        self.router, self.shared, self.shared_gate = router, shared, shared_gate
 
     def __call__(self, i: int, h: np.ndarray, pos: np.ndarray, ctx, routed=None) -> np.ndarray:
         """routed: (top, weights) of h when the attention block computed them already. ``ctx``
@@ -105,7 +111,11 @@ class MoEBlock:
         else:
             out = np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
         if self.shared is not None:
-            out = out + expert_ffn(h, self.shared)
+            y = expert_ffn(h, self.shared)
+            if self.shared_gate is not None:     # sigmoid(gate x) per position
+                with np.errstate(over="ignore"):
+                    y = (np.float32(1.0) / (np.float32(1.0) + np.exp(-kernels.matmul(h, self.shared_gate)))) * y
+            out = out + y
         return out
 
 

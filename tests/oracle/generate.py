@@ -1,4 +1,4 @@
-"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA models with transformers
+"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA / Qwen3.5-MoE models with transformers
 and store reference outputs.
 
 Run from the repository root:
@@ -80,6 +80,12 @@ def _rope(theta: float) -> dict:
 #                explicit mlp_layer_types; E8 k2 groups 2/1, sharded
 #   glmdsa-b     MLA q-LoRA 20 + DSA indexer top-9, 10 heads x 12; index_topk_pattern "FFS" only
 #                (hub-style config.json); E6 k2 x1.8 norm=F shared 2
+# Linear-attention hybrids (Gated DeltaNet + gated attention, (1+w) norms, sigma-gated shared expert):
+#   qwen35moe-a  qwen3_5_moe_text H36, layers LLLF (default interval 4), 4/2 GQA hd16 rope 25 %,
+#                GDN 2/4 heads x 8/12, K4; E6 k2 I9 shared 11
+#   qwen35moe-b  qwen3_5_moe (composite: text_config + a 1-block vision tower) H32, layers LFL, 4/1 MQA
+#                hd16 rope 50 % + mrope_section, q/k/v/o bias, GDN 1/3 heads x 10/6, K3; E8 k3 I7
+#                shared 13, tied (top-level tie_word_embeddings), sharded
 CONFIGS: list[dict] = [
     dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
         vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
@@ -186,6 +192,26 @@ CONFIGS: list[dict] = [
         first_k_dense_replace=1, n_routed_experts=6, num_experts_per_tok=2, n_group=1,
         topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=False, n_shared_experts=2,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})),
+    # --- linear-attention hybrids (issue 18): Gated DeltaNet + gated full attention ------------
+    dict(name="qwen35moe-a", family="qwen3_5_moe_text", shard=False, cfg=dict(
+        vocab_size=307, hidden_size=36, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+        moe_intermediate_size=9, shared_expert_intermediate_size=11, num_experts=6,
+        num_experts_per_tok=2, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    dict(name="qwen35moe-b", family="qwen3_5_moe", shard=True, shard_size="60KB", cfg=dict(
+        vocab_size=331, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, attention_bias=True,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_conv_kernel_dim=3, linear_key_head_dim=10, linear_value_head_dim=6,
+        linear_num_key_heads=1, linear_num_value_heads=3, moe_intermediate_size=7,
+        shared_expert_intermediate_size=13, num_experts=8, num_experts_per_tok=3, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [1, 1, 2], "mrope_interleaved": True}),
+        composite=dict(tie_word_embeddings=True, vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=20, num_heads=2, out_hidden_size=32, patch_size=4,
+            num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2))),
 ]
 # The families whose routers are sigmoid + e_score_correction_bias (set at random in _reinit).
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm_moe_dsa")
@@ -213,6 +239,12 @@ def _classes(family: str):
     if family == "glm_moe_dsa":
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
         return GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    if family == "qwen3_5_moe_text":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        return Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+    if family == "qwen3_5_moe":          # the composite image-text model (text_config + vision_config)
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+        return Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
     raise ValueError(family)
 
 
@@ -289,13 +321,25 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
 
     tied = bool(model.config.tie_word_embeddings)
-    hidden = model.config.hidden_size
+    hidden = model.config.get_text_config().hidden_size
+    # Qwen3.5's RMSNorms multiply by (1 + weight): their weights are the offset, N(0, 0.1)
+    offset_norms = type(model).__name__.startswith("Qwen3_5Moe")
     with torch.no_grad():
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
             fan_in = p.shape[-1]
-            if "norm" in parent and leaf == "bias":  # the DSA indexer's k_norm (a LayerNorm)
+            if name.startswith("model.visual."):     # the vision tower: never run on text ids
+                p.copy_(normal(p.shape, 0.02))
+            elif leaf == "A_log":                  # Gated DeltaNet: decay rates exp(A_log) in [1, 16]
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float32) * 15 + 1))
+            elif leaf == "dt_bias":
+                p.copy_(normal(p.shape, 0.5, 1.0))
+            elif leaf == "weight" and parent == "conv1d":     # depthwise [C, 1, K]: fan_in K
+                p.copy_(normal(p.shape, 1.0 / p.shape[-1] ** 0.5))
+            elif offset_norms and "norm" in parent and not name.endswith("linear_attn.norm.weight"):
+                p.copy_(normal(p.shape, 0.1))
+            elif "norm" in parent and leaf == "bias":  # the DSA indexer's k_norm (a LayerNorm)
                 p.copy_(normal(p.shape, 0.1))
             elif "norm" in parent:
                 p.copy_(normal(p.shape, 0.1, 1.0))
@@ -307,7 +351,7 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(normal(p.shape, 4.0 / fan_in ** 0.5))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(normal(p.shape, 3.0 / fan_in ** 0.5))
-            elif "o_proj" in name or "down_proj" in name:
+            elif "o_proj" in name or "down_proj" in name or "out_proj" in name:
                 p.copy_(normal(p.shape, (OUT_GAIN_TIED if tied else OUT_GAIN) / fan_in ** 0.5))
             elif p.ndim in (2, 3):  # q/k/v, gate/up [O, I]; fused experts gate_up [E, 2I, H]
                 p.copy_(normal(p.shape, 1.0 / fan_in ** 0.5))
@@ -394,7 +438,7 @@ def _router_logits(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list
         if isinstance(out, tuple) and len(out) == 3:
             chosen[li] = out[2].detach().clone()
     hooks = []
-    for li, layer in enumerate(model.model.layers):
+    for li, layer in enumerate(_decoder_layers(model)):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and not isinstance(gate, torch.nn.Linear):  # router, not dense gate_proj
             hooks.append(gate.register_forward_hook(lambda _m, _i, out, li=li: hook(li, out)))
@@ -408,6 +452,23 @@ def _router_logits(model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list
         return np.zeros(0, np.int64), np.zeros((0, len(ids), 0), np.float32), []
     return (np.asarray(layers, np.int64), np.stack([captured[i].float().numpy() for i in layers]),
             [chosen[i].numpy() for i in layers if i in chosen])
+
+
+def _decoder_layers(model):
+    """The decoder layers, under model.model (CausalLM) or model.model.language_model (composite)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
+
+
+def _derived_linear(model) -> dict:
+    """What transformers derived from a Qwen3.5 config (layer types, rope dims and frequencies)."""
+    cfg = model.config.get_text_config()
+    inner = getattr(model.model, "language_model", model.model)
+    rot = inner.rotary_emb
+    return {"layer_types": list(cfg.layer_types), "rope_parameters": dict(cfg.rope_parameters),
+            "rope_dims": int(2 * rot.inv_freq.numel()), "rope_inv_freq": [float(x) for x in rot.inv_freq],
+            "mrope_section": list(rot.mrope_section), "head_dim": cfg.head_dim,
+            "tie_word_embeddings": bool(model.config.tie_word_embeddings)}
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -512,7 +573,10 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
     config_cls, model_cls = _classes(family)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(_seed_for(seed, name if attempt == 0 else f"{name}#{attempt}"))
-    config = config_cls(**{**_COMMON, **spec["cfg"]})
+    if "composite" in spec:      # the language model's fields go to text_config
+        config = config_cls(text_config={**_COMMON, **spec["cfg"]}, **spec["composite"])
+    else:
+        config = config_cls(**{**_COMMON, **spec["cfg"]})
     model = model_cls._from_config(config, **_load_kwargs()).eval()
     _reinit(model, gen)
 
@@ -532,7 +596,7 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
             os.path.join(model_dir, "model.safetensors.index.json"))):
         raise AssertionError(f"{name}: expected a sharded checkpoint, got {shards}")
 
-    vocab = config.vocab_size
+    vocab = config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (N_IDS,), generator=gen, dtype=torch.int64).numpy()
     dsa = _IndexerWatch()
 
@@ -564,7 +628,7 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
         greedy_q4_margin=gap_q4, greedy_orig_margin=gap_orig,
         moe_layers=moe_layers, router_logits_orig=router.astype(np.float32))
 
-    k = config.num_experts_per_tok
+    k = config.get_text_config().num_experts_per_tok
     top1 = router.argmax(-1) if router.size else np.zeros((0, N_IDS), np.int64)
     topk_sets = [len(np.unique(np.sort(np.argsort(-r, axis=-1)[:, :k], axis=1), axis=0)) for r in router]
     am = logits_orig.argmax(-1)
@@ -610,6 +674,11 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
         meta["derived"] = _derived(orig)
     if family == "glm_moe_dsa":
         stats.update(dsa.summary())
+    if family.startswith("qwen3_5_moe"):
+        meta["derived"] = _derived_linear(orig)
+        if "composite" in spec:
+            meta["composite"] = spec["composite"]
+            stats["vision_tensors_saved"] = sum(1 for n in saved if n.startswith("model.visual."))
     with open(os.path.join(target, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")

@@ -1,0 +1,171 @@
+"""Linear attention with a recurrent state (Qwen3.5 / Qwen3.6's Gated DeltaNet; Kimi's KDA reuses
+the pieces): a causal depthwise convolution with state, the gated delta rule, the two l2norms and
+the gated RMSNorm, and the ``GatedDeltaNet`` mixer built from them (transformers'
+``Qwen3_5MoeGatedDeltaNet``).
+
+Each piece is the numpy reference for any number of positions, and it is **token-serial**: the
+delta rule folds one position at a time into the state, with the same float32 operations on the
+same shapes whatever the number of positions in the call, so a prompt prefilled in one pass, in
+chunks, or position by position (decode) leaves the same bits in the state and gives the same
+outputs. (transformers prefills with a chunked form of the rule, ``torch_chunk_gated_delta_rule``,
+and decodes with the recurrent one: the two differ by ~2e-5; ours is the recurrent one throughout.)
+
+The layer's state lives in the cache (core.cache_kinds ``Conv`` and ``Recurrent``, float32, fixed
+size whatever the context: ``cache.state[i]``) and is updated in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kernels
+from ..cache_kinds import Conv, Recurrent
+from ..errors import ColiError
+from .common import Need, linear
+
+L2NORM_EPS = 1e-6         # transformers' l2norm(eps=1e-6) (use_qk_l2norm_in_kernel)
+
+
+# --- the pieces (shared with KDA) -----------------------------------------------------------------
+def causal_conv(x: np.ndarray, state: np.ndarray, weight: np.ndarray, activation: bool = True) -> np.ndarray:
+    """Depthwise causal convolution of x [T, C] with ``weight`` [C, K] (tap K-1 on the newest
+    input), continuing ``state`` [C, K-1] (the previous K-1 inputs, oldest first; zeros at the
+    start), then SiLU (``activation``). ``state`` is updated in place to the last K-1 inputs.
+    Each output is the taps' products summed oldest first, the same operations whatever T."""
+    T, C = x.shape
+    K = weight.shape[1]
+    window = np.concatenate([state.T, x.astype(np.float32, copy=False)], axis=0)      # [K-1+T, C]
+    y = window[0:T] * weight[:, 0]
+    for j in range(1, K):
+        y += window[j: j + T] * weight[:, j]
+    if K > 1:
+        state[...] = window[T:].T
+    return kernels.silu(y) if activation else y
+
+
+def l2norm(x: np.ndarray, eps: float = L2NORM_EPS, divide: bool = False) -> np.ndarray:
+    """x / ||x|| over the last axis. Two roundings exist: Qwen's (FLA-aligned in transformers)
+    x * rsqrt(Σx² + eps), and (``divide``) Kimi's x / sqrt(Σx² + eps)."""
+    ss = np.sum(x * x, axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps)
+    if divide:
+        return x / np.sqrt(ss)
+    return x * (np.float32(1.0) / np.sqrt(ss))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """torch's softplus (beta 1, threshold 20): x above 20, else log(1 + e^x)."""
+    with np.errstate(over="ignore"):
+        return np.where(x > np.float32(20), x, np.log1p(np.exp(np.minimum(x, np.float32(20))))).astype(np.float32)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+               state: np.ndarray) -> np.ndarray:
+    """The gated delta rule, one position after another, over ``state`` S [H, dk, dv] (updated in
+    place). q, k [T, H, dk] (normed, q scaled), v [T, H, dv], beta [T, H]; ``decay`` the state's
+    factor per position: [T, H] (one per head: Gated DeltaNet's e^g) or [T, H, dk] (per key
+    channel: KDA's). Per position: S <- decay S; S += k (x) beta (v - S^T k); o = S^T q.
+    Returns o [T, H, dv]."""
+    T, H, dk = k.shape
+    out = np.empty((T, H, v.shape[-1]), np.float32)
+    per_channel = decay.ndim == 3
+    for t in range(T):
+        if per_channel:
+            state *= decay[t][:, :, None]
+        else:
+            state *= decay[t][:, None, None]
+        kt = k[t][:, None, :]                                     # [H, 1, dk]
+        mem = np.matmul(kt, state)[:, 0]                          # S^T k: [H, dv]
+        delta = (v[t] - mem) * beta[t][:, None]
+        state += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.matmul(q[t][:, None, :], state)[:, 0]
+    return out
+
+
+def gated_rms_norm(x: np.ndarray, w: np.ndarray, gate: np.ndarray, eps: float, act: str = "silu") -> np.ndarray:
+    """RMSNormGated: w * x / sqrt(mean(x^2) + eps), times silu(gate) (or sigmoid(gate), ``act``),
+    over the last axis, in float32 (transformers' ``Qwen3_5MoeRMSNormGated``: norm before gate)."""
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    normed = w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps))))
+    return normed * (kernels.silu(gate) if act == "silu" else sigmoid(gate))
+
+
+# --- Gated DeltaNet (Qwen3.5 / Qwen3.6 linear-attention layers) ----------------------------------
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """A linear-attention layer: ``in_proj_qkv`` -> causal conv (``conv_kernel``) + SiLU -> q, k
+    (``k_heads`` x ``k_dim``, l2-normed, q / sqrt(k_dim)) and v (``v_heads`` x ``v_dim``); k heads
+    repeated over v heads (repeat-interleave); beta = sigmoid(in_proj_b x), g = -exp(A_log) *
+    softplus(in_proj_a x + dt_bias); the gated delta rule; RMSNormGated(o, in_proj_z x) over
+    v_dim; out_proj. Its tensors sit under ``linear_attn.``."""
+    hidden: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    prefix = "linear_attn."
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def cache_kind(self):
+        return (Conv(self.conv_channels, self.conv_kernel - 1), Recurrent(self.v_heads, self.k_dim, self.v_dim))
+
+    def tensors(self, p: str) -> list[Need]:
+        H, C, Hv, vd = self.hidden, self.conv_channels, self.v_heads, self.v_heads * self.v_dim
+        return [Need(p + "in_proj_qkv.weight", (C, H)), Need(p + "in_proj_z.weight", (vd, H)),
+                Need(p + "in_proj_b.weight", (Hv, H)), Need(p + "in_proj_a.weight", (Hv, H)),
+                Need(p + "conv1d.weight", (C, 1, self.conv_kernel)), Need(p + "dt_bias", (Hv,)),
+                Need(p + "A_log", (Hv,)), Need(p + "norm.weight", (self.v_dim,)),
+                Need(p + "out_proj.weight", (H, vd))]
+
+    def build(self, c, p: str, eps: float) -> "GatedDeltaNetMixer":
+        return GatedDeltaNetMixer(self, c, p, eps)
+
+
+class GatedDeltaNetMixer:
+    window = None
+
+    def __init__(self, spec: GatedDeltaNet, c, p: str, eps: float):
+        self.spec, self.eps = spec, eps
+        self.qkv, self.z, self.b, self.a, self.out = (
+            c.load(p + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+        conv = c.load(p + "conv1d.weight")
+        self.conv_w = np.ascontiguousarray(np.asarray(conv.data, np.float32).reshape(spec.conv_channels, spec.conv_kernel))
+        self.dt_bias = kernels.vector(c.load(p + "dt_bias"))
+        # g = -exp(A_log) * softplus(.): exp(A_log) in float32, once (transformers: A_log.float().exp())
+        self.neg_a = -np.exp(kernels.vector(c.load(p + "A_log")).astype(np.float32))
+        self.norm_w = kernels.vector(c.load(p + "norm.weight"))
+        if spec.v_heads % spec.k_heads:
+            raise ColiError(f"{p}: {spec.v_heads} value heads are not a multiple of {spec.k_heads} key heads")
+        self.scale = np.float32(spec.k_dim ** -0.5)
+
+    def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
+        s, T = self.spec, h.shape[0]
+        state = cache.state[i]
+        folded = cache.folded
+        if folded[i] != cache.length:
+            raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
+                            f"{cache.length} (a pass that did not finish): start a new cache")
+        qkv, z, b, a = kernels.matmul_many(h, [self.qkv, self.z, self.b, self.a])
+        y = causal_conv(qkv, state["conv"], self.conv_w)
+        kd = s.k_heads * s.k_dim
+        q = l2norm(y[:, :kd].reshape(T, s.k_heads, s.k_dim)) * self.scale
+        k = l2norm(y[:, kd: 2 * kd].reshape(T, s.k_heads, s.k_dim))
+        v = y[:, 2 * kd:].reshape(T, s.v_heads, s.v_dim)
+        rep = s.v_heads // s.k_heads
+        if rep > 1:
+            q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+        beta = sigmoid(b)
+        decay = np.exp(self.neg_a * softplus(a + self.dt_bias))
+        o = delta_rule(q, k, np.ascontiguousarray(v), decay, beta, state["recurrent"])
+        folded[i] = cache.length + T
+        o = gated_rms_norm(o, self.norm_w, z.reshape(T, s.v_heads, s.v_dim), self.eps)
+        return linear(o.reshape(T, s.v_heads * s.v_dim), self.out)
