@@ -9,7 +9,8 @@ The conversation is token ids (any container, no tokenizer needed): turn N's pro
 N-1's prompt, its greedy reply and ``--user-tokens`` new random ids; the other modes measure the
 same prompts (one new token each: TTFT is what is measured), medians of ``--repeats``.
 ``restart``'s file is evicted from the page cache before it is read where the OS allows
-(benchmarks/common.evict_file), so its time includes a disk read. Prints a table; no asserts
+(benchmarks/common.evict_file), so its time includes a disk read; ``save s`` is the app's write
+after the turn (temporary file, fsync, rename). Prints a table; no asserts
 (timings are not tests).
 """
 from __future__ import annotations
@@ -97,7 +98,9 @@ def run(args, report=None) -> list[dict]:
         reply, st = _first(e, conv, args.reply_tokens)
         warm.append(st.ttft_s)
         row.update(reuse_s=med(warm), new=st.prompt_tokens - st.cached_tokens, cached=st.cached_tokens)
+        t0 = time.perf_counter()
         store.save(e, "bench")
+        row["save_s"] = time.perf_counter() - t0
         rows.append(row)
         if report is not None:
             report(row)
@@ -107,7 +110,7 @@ def run(args, report=None) -> list[dict]:
 
 
 HEADER = (f"{'turn':>4} {'prompt':>6} {'new':>5} {'reuse s':>8} {'recompute s':>11} {'restart s':>9} "
-          f"{'(read s)':>8} {'file':>9}")
+          f"{'(read s)':>8} {'file':>9} {'save s':>7}")
 
 
 def line(r: dict) -> str:
@@ -115,7 +118,7 @@ def line(r: dict) -> str:
     rd = f"{r['restore_s']:8.3f}" if "restore_s" in r else f"{'-':>8}"
     fb = f"{r['file_bytes'] / 1e6:7.1f}MB" if "file_bytes" in r else f"{'-':>9}"
     return (f"{r['turn']:>4} {r['prompt']:>6} {r['new']:>5} {r['reuse_s']:8.3f} {r['recompute_s']:11.3f} "
-            f"{rs} {rd} {fb}")
+            f"{rs} {rd} {fb} {r['save_s']:7.3f}")
 
 
 def table(rows: list[dict]) -> str:
