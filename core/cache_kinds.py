@@ -26,7 +26,8 @@ class _Growing:
     # only on the positions before it, so dropping positions is ``cache.length = n``. A kind
     # that folds every position into one fixed-size state (a linear-attention layer's recurrent
     # and conv state) cannot go back: it sets this False, and the pool then continues such a
-    # cache only at its very end (a turn boundary), never truncating it.
+    # cache only where its state is known -- its very end, or the checkpoint of the state taken
+    # at its prompt's end (a turn boundary) -- never truncating it elsewhere.
     truncatable = True
 
     def parts(self) -> dict[str, tuple[int, int]]:

@@ -420,7 +420,9 @@ class Engine:
             cache, cached, logits = self.prefixes.take(ids, self.new_cache, len(ids))
         else:
             cache, cached, logits = self.new_cache(), 0, None
-        turn = {"cached": cached, "logits": logits, "new": []}
+        # a cache whose state cannot truncate checkpoints it at the prompt's end (a turn boundary)
+        turn = {"cached": cached, "logits": logits, "new": [],
+                "checkpoint": self.prefix_cache and not self.prefixes.truncatable}
         keep = False
         self._cancel_checks = True
         try:
@@ -435,7 +437,9 @@ class Engine:
             # pass commits no position, but a fixed-size state may have folded some in)
             if keep and self.prefix_cache and (self.prefixes.truncatable or not turn.get("cut")):
                 # the positions committed: the prompt, then the generated tokens fed back
-                self.prefixes.put((ids + turn["new"])[: cache.length], cache, len(ids), turn["logits"])
+                checkpoint = turn["checkpoint"] if not isinstance(turn["checkpoint"], bool) else None
+                self.prefixes.put((ids + turn["new"])[: cache.length], cache, len(ids), turn["logits"],
+                                  checkpoint)
             else:
                 self.recycle_cache(cache)
 
@@ -456,6 +460,9 @@ class Engine:
         try:
             if logits is None:
                 logits = turn["logits"] = self.prefill(ids[cached:], cache)
+            if turn.get("checkpoint") is True:
+                from .prefix_cache import state_checkpoint
+                turn["checkpoint"] = state_checkpoint(cache) if cache.length == len(ids) else None
         except _Cancelled:
             logits, reason = None, "cancelled"
             turn["cut"] = True       # a pass stopped inside: only its layers' fixed state saw it

@@ -8,12 +8,14 @@ before it, so the cache of ids[:n] is the first n rows of the cache of ids: trun
 ``cache.length = n`` (rows past ``length`` are dead and overwritten by the next pass).
 
 A kind that cannot truncate -- a recurrent or conv state, one fixed-size array that the positions
-fold into -- says so with ``truncatable = False`` (``core.cache_kinds``; absent means True).
-A model with such a layer can only continue a cache at exactly its end, so the pool then
-reuses an entry only when the prompt extends all of its ids (a turn boundary: the chat's next
-turn); a later design can add checkpoints of the state at turn boundaries (a copy of the fixed
-arrays beside the entry, restored instead of truncating). ``can_truncate(spec)`` is what the pool
-asks.
+fold into -- says so with ``truncatable = False`` (``core.cache_kinds``; absent means True;
+``can_truncate(spec)`` is what the pool asks). A cache with such a layer continues only at a
+point where its state is known: its very end (the prompt extends all of the entry's ids), or
+the turn boundary it checkpointed -- a copy of the fixed-size arrays (``cache.state``) taken when
+its prompt was prefilled (``state_checkpoint``), put back with the growing arrays truncated to
+the same position (``restore_checkpoint``). A chat's next prompt always extends the previous
+prompt, so its turn is reused even when the reply re-tokenizes differently or the template
+drops the reply's thinking from the history.
 
 Which entry a prompt continues, and how far, depends only on the ids (never on placement,
 threads or timing), so the placement law holds with reuse on: the same requests in the same
@@ -56,6 +58,26 @@ def cache_parts(cache) -> list[dict]:
     return [{"k": k, "v": v} for k, v in zip(cache.k, cache.v)]
 
 
+def state_checkpoint(cache):
+    """A copy of the cache's fixed-size state (per layer {name: array}), or None when it keeps
+    none: the state as of ``cache.length`` positions."""
+    state = getattr(cache, "state", None)
+    if not state or not any(state):
+        return None
+    return [{name: a.copy() for name, a in layer.items()} for layer in state]
+
+
+def restore_checkpoint(cache, checkpoint, n: int) -> None:
+    """Put a checkpoint taken at n positions back: the state arrays written over in place, the
+    growing arrays truncated to n."""
+    for layer, saved in zip(cache.state, checkpoint):
+        for name, a in saved.items():
+            layer[name][...] = a
+    cache.length = n
+    if hasattr(cache, "folded"):         # the positions each layer's state holds
+        cache.folded = [n] * len(cache.folded)
+
+
 def cache_nbytes(cache) -> int:
     """Bytes of the committed positions (what a saved copy takes; the pool's measure)."""
     n = cache.length
@@ -78,6 +100,7 @@ class Entry:
     cache: object
     prompt_len: int = 0          # its generation's prompt: ids[:prompt_len] ...
     logits: object = None        # ... and the logits [vocab] its last position gave
+    checkpoint: object = None    # ... and the fixed-size state there (state_checkpoint), if any
     used: float = field(default_factory=time.monotonic)
 
 
@@ -110,8 +133,10 @@ class PrefixPool:
             n = common_prefix(e.ids, ids)
             if not (n == len(ids) == e.prompt_len and e.logits is not None):
                 n = min(n, len(ids) - 1)
-            if not self.truncatable and n < len(e.ids):
-                continue
+            if not self.truncatable:
+                # only where the state is known: the end, or the checkpointed turn boundary
+                if n < len(e.ids):
+                    n = e.prompt_len if e.checkpoint is not None and n >= e.prompt_len else 0
             if n > best_n:
                 best, best_n = e, n
         return best, best_n
@@ -129,6 +154,11 @@ class PrefixPool:
         if entry is None:
             return new_cache(), 0, None
         logits = entry.logits if n == len(ids) else None
+        if not self.truncatable:
+            self.entries.remove(entry)
+            if n < len(entry.ids):
+                restore_checkpoint(entry.cache, entry.checkpoint, n)
+            return entry.cache, n, logits
         if len(entry.ids) - n > BRANCH_TAIL:
             cache = new_cache()
             copy_prefix(entry.cache, cache, n)
@@ -138,21 +168,22 @@ class PrefixPool:
         entry.cache.length = n
         return entry.cache, n, logits
 
-    def put(self, ids: Sequence[int], cache, prompt_len: int = 0, logits=None) -> None:
-        """Keep a finished cache (ids: what its positions hold; prompt_len and logits: its
-        prompt and the logits of the prompt's last position); evict past the budget."""
+    def put(self, ids: Sequence[int], cache, prompt_len: int = 0, logits=None, checkpoint=None) -> None:
+        """Keep a finished cache (ids: what its positions hold; prompt_len, logits and
+        checkpoint: its prompt, the logits of the prompt's last position and the fixed-size
+        state there); evict past the budget."""
         ids = list(ids)[: cache.length]
         if not ids:
             self._release(cache)
             return
         if logits is None or prompt_len > len(ids):
-            prompt_len, logits = 0, None
+            prompt_len, logits, checkpoint = 0, None, None
         # an entry whose ids the new one starts with holds nothing the new one lacks
         for e in list(self.entries):
             if len(e.ids) <= len(ids) and common_prefix(e.ids, ids) == len(e.ids):
                 self.entries.remove(e)
                 self._release(e.cache)
-        self.entries.append(Entry(ids, cache, prompt_len, logits))
+        self.entries.append(Entry(ids, cache, prompt_len, logits, checkpoint))
         self._evict()
 
     def _make_room(self, need: int, keep=None) -> None:

@@ -334,3 +334,69 @@ def test_a_new_prompt_makes_room_in_the_pool_first(demo):
     assert [e.ids[0] for e in engine.prefixes.entries] == [602, 700]
     _, _, st, _ = turn(engine, [602] * 100 + [5] * 200, 2)    # continues 602, evicts 700 first
     assert st.cached_tokens == 100 and [e.ids[0] for e in engine.prefixes.entries] == [602]
+
+
+def test_a_state_that_cannot_truncate_continues_at_its_end_or_its_checkpoint(fixture_root, containers):
+    """A linear-attention model (qwen3_5_moe: conv and recurrent state, truncatable = False): its
+    cache is continued where the state is known -- the end of the entry, or the checkpoint taken
+    when the prompt was prefilled (a chat's turn boundary) -- and the replies are a fresh run's."""
+    from models.registry import supported_types
+    if "qwen3_5_moe" not in supported_types() or not (fixture_root / "qwen35moe-a").is_dir():
+        pytest.skip("no linear-attention family or fixture here")
+    from models import open_model
+    path = containers("qwen35moe-a", 16)
+    engine = open_model(path, threads=1)
+    engine.usage_file = None
+    assert not engine.prefixes.truncatable
+    fresh = open_model(path, threads=1)
+    fresh.prefix_cache = False
+    ids = np.load(fixture_root / "qwen35moe-a" / "reference.npz")["ids"].tolist()
+    V = engine.spec.vocab_size
+    p1 = ids[:10]
+    r1, _, st, _ = turn(engine, p1, 4)
+    assert st.cached_tokens == 0
+    # the reply comes back re-tokenized otherwise: only the checkpoint at the prompt's end is known
+    p2 = p1 + [(t + 1) % V for t in r1] + ids[10:20]
+    r2, _, st, _ = turn(engine, p2, 4)
+    assert st.cached_tokens == 10 and r2 == turn(fresh, p2, 4)[0]
+    # the next prompt extends the whole entry (the reply's fed tokens): continued at its end
+    p3 = p2 + r2[:-1] + ids[20:26]
+    r3, _, st, _ = turn(engine, p3, 4)
+    assert st.cached_tokens == len(p2) + len(r2) - 1 and r3 == turn(fresh, p3, 4)[0]
+    # a prompt branching inside the entry, before its checkpoint: nothing reused
+    _, _, st, _ = turn(engine, p3[:5] + [1, 2, 3], 2)
+    assert st.cached_tokens == 0
+    # the same prompt again: the checkpoint and the kept logits, nothing computed
+    again, _, st, _ = turn(engine, p3[:5] + [1, 2, 3], 2)
+    assert st.cached_tokens == 8
+
+
+def test_checkpoints_put_the_state_back_with_the_rows():
+    """The pool's checkpoint path on a stand-in cache (one growing array, one fixed state)."""
+    from core.prefix_cache import PrefixPool, restore_checkpoint, state_checkpoint
+
+    class Cache:
+        def __init__(self):
+            self.arrays = [{"k": np.zeros((1, 16, 2), np.float32)}]
+            self.state = [{"s": np.zeros(3, np.float32)}]
+            self.length, self.folded = 0, [0]
+
+        def feed(self, ids):                       # rows = ids, the state sums them
+            for t in ids:
+                self.arrays[0]["k"][0, self.length] = t
+                self.state[0]["s"] += t
+                self.length += 1
+            self.folded = [self.length]
+
+    assert state_checkpoint(type("C", (), {"state": [{}]})()) is None
+    c = Cache()
+    c.feed([1, 2, 3])
+    ck = state_checkpoint(c)
+    c.feed([4, 5])
+    pool = PrefixPool(1 << 30, truncatable=False)
+    pool.put([1, 2, 3, 4, 5], c, prompt_len=3, logits=np.zeros(4), checkpoint=ck)
+    got, n, logits = pool.take([1, 2, 3, 9, 9], Cache)
+    assert got is c and n == 3 and logits is None
+    assert c.length == 3 and c.folded == [3] and c.state[0]["s"].tolist() == [6, 6, 6]
+    restore_checkpoint(c, ck, 3)
+    assert ck[0]["s"] is not c.state[0]["s"]     # a copy: the next turn writes the live state
