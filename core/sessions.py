@@ -25,9 +25,11 @@ the same turn gives without the restart.
 
 The files live in one directory under a disk budget (``budget_bytes``): after each save the least
 recently used files (by modification time: loading one touches it) are deleted until the total
-fits; a cache larger than the whole budget is not saved. A cache with a fixed-size state (a
-linear-attention layer's conv and recurrent arrays, ``KVCache.state``) is not saved by this
-format version: its layers would need their state beside the rows.
+fits; a cache larger than the whole budget is not saved. A cache with fixed-size state (a
+linear-attention layer's conv and recurrent arrays, ``KVCache.state``, float32) saves it after
+the rows (``state`` in the header names each array's shape), and the state's checkpoint at the
+prompt's end when the turn took one (``checkpoint``: core.prefix_cache), so that a restored
+chat is continued where the same session would continue it.
 """
 from __future__ import annotations
 
@@ -84,6 +86,19 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 def _layout(cache) -> list[list]:
     return [[[name, int(a.shape[0]), int(a.shape[2])] for name, a in parts.items()] for parts in cache_parts(cache)]
+
+
+def _state_layout(cache) -> list[list] | None:
+    """Per layer [name, shape, dtype] of the fixed-size state arrays; None when there are none."""
+    state = getattr(cache, "state", None)
+    if not state or not any(state):
+        return None
+    return [[[name, [int(d) for d in a.shape], np.dtype(a.dtype).name] for name, a in layer.items()]
+            for layer in state]
+
+
+def _state_bytes(layout) -> int:
+    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for layer in layout or () for _, shape, dt in layer)
 
 
 class Corrupt(Exception):
@@ -156,18 +171,21 @@ class SessionStore:
         target = self.path(key)
         if entry is None or not entry.ids:
             return None
-        if any(getattr(entry.cache, "state", None) or ()):
-            # a fixed-size state (a linear-attention layer's conv / recurrent arrays) is not in
-            # this format yet: saving the growing arrays alone would restore a wrong state
-            target.unlink(missing_ok=True)
-            return None
         cache, n = entry.cache, entry.cache.length
         parts = cache_parts(cache)
+        state_layout = _state_layout(cache)
+        folded = getattr(cache, "folded", None)
+        if state_layout is not None and folded is not None and \
+                any(f != n for f, layer in zip(folded, cache.state) if layer):
+            target.unlink(missing_ok=True)      # a state ahead of the rows: nothing to continue
+            return None
         payload = sum(a.shape[0] * n * a.shape[2] * a.itemsize for p in parts for a in p.values())
         logits = None
         if entry.logits is not None and entry.prompt_len <= n:
             logits = np.ascontiguousarray(entry.logits, dtype=np.float32)
             payload += logits.nbytes
+        checkpoint = entry.checkpoint if state_layout is not None and logits is not None else None
+        payload += _state_bytes(state_layout) * (2 if checkpoint is not None else 1)
         if payload > self.budget_bytes:
             target.unlink(missing_ok=True)      # the old one is stale: the chat moved on
             return None
@@ -179,12 +197,17 @@ class SessionStore:
                     chunks.append(np.ascontiguousarray(a[h, :n]))
         if logits is not None:
             chunks.append(logits)
+        for layers in ([cache.state] if state_layout is not None else []) + \
+                ([checkpoint] if checkpoint is not None else []):
+            for layer in layers:
+                chunks.extend(np.ascontiguousarray(a) for a in layer.values())
         for c in chunks:
             digest.update(_bytes(c))
         header = {"format": FORMAT, "model": engine_model_key(engine), "kv_cache": np.dtype(cache.dtype).name,
                   "kernels": _kernel_mode(), "length": n, "ids": list(map(int, entry.ids)),
                   "prompt_len": int(entry.prompt_len) if logits is not None else 0,
                   "logits": None if logits is None else int(logits.size), "layers": _layout(cache),
+                  "state": state_layout, "checkpoint": checkpoint is not None,
                   "payload_bytes": payload, "sha256": digest.hexdigest(), "saved": time.time()}
         raw = json.dumps(header, separators=(",", ":")).encode()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -260,7 +283,7 @@ class SessionStore:
                     return Restored(False, warning=f"the saved cache of this chat {why}: the "
                                                    f"conversation is computed again")
                 try:
-                    cache, logits = self._payload(engine, f, h)
+                    cache, logits, checkpoint = self._payload(engine, f, h)
                 except Corrupt as e:
                     damaged = str(e)
                     raise
@@ -271,12 +294,12 @@ class SessionStore:
         except OSError as e:
             return Restored(False, warning=f"the saved cache {path.name} cannot be read ({e.strerror or e}): "
                                            f"the conversation is computed again")
-        engine.prefixes.put(h["ids"], cache, h.get("prompt_len") or 0, logits)
+        engine.prefixes.put(h["ids"], cache, h.get("prompt_len") or 0, logits, checkpoint)
         try:
             os.utime(path)                       # recently used: the last to be evicted
         except OSError:
             pass
-        return Restored(True, positions=min(want, len(ids) - 1) if logits is None else want)
+        return Restored(True, positions=engine.prefixes.best(ids)[1])
 
     @staticmethod
     def _mismatch(engine, h) -> str | None:
@@ -299,9 +322,13 @@ class SessionStore:
             vocab = h.get("logits")
             if vocab is not None and vocab != engine.spec.vocab_size:
                 raise Corrupt("damaged header")
+            state_layout = _state_layout(cache)
+            if h.get("state") != state_layout or (h.get("checkpoint") and (state_layout is None or vocab is None)):
+                raise Corrupt("its layers do not match the model's")
             itemsize = engine.kv_dtype.itemsize
             expect = sum(lead * n * width * itemsize for layer in h["layers"] for _, lead, width in layer)
             expect += 4 * vocab if vocab is not None else 0
+            expect += _state_bytes(state_layout) * (2 if h.get("checkpoint") else 1)
             if h.get("payload_bytes") != expect:
                 raise Corrupt("damaged header")
             if n > engine.spec.max_position_embeddings > 0:
@@ -324,13 +351,27 @@ class SessionStore:
                 if f.readinto(view) != len(view):
                     raise Corrupt("truncated")
                 digest.update(view)
+            checkpoint = None
+            if state_layout is not None:
+                targets = [list(layer.values()) for layer in cache.state]
+                if h.get("checkpoint"):
+                    checkpoint = [{name: np.empty_like(a) for name, a in layer.items()} for layer in cache.state]
+                    targets += [list(layer.values()) for layer in checkpoint]
+                for layer in targets:
+                    for a in layer:
+                        view = _bytes(a)
+                        if f.readinto(view) != len(view):
+                            raise Corrupt("truncated")
+                        digest.update(view)
+                if hasattr(cache, "folded"):
+                    cache.folded = [n] * len(cache.folded)
             if f.read(1):
                 raise Corrupt("trailing bytes")
             if digest.hexdigest() != h.get("sha256"):
                 raise Corrupt("checksum mismatch")
             cache.length = n
             ok = True
-            return cache, logits
+            return cache, logits, checkpoint
         finally:
             if not ok:
                 engine.recycle_cache(cache)

@@ -265,3 +265,34 @@ def test_the_chat_flag_and_the_meta_line():
     line = fmt_meta({"new_tokens": 3, "prompt_tokens": 50, "cached_tokens": 40, "ttft_s": 0.1}, "eos")
     assert "40 of 50 prompt tokens cached" in line
     assert "cached" not in fmt_meta({"new_tokens": 3, "prompt_tokens": 50, "ttft_s": 0.1}, "eos")
+
+
+def test_a_linear_attention_state_and_its_checkpoint_are_saved_too(fixture_root, containers, tmp_path):
+    """qwen3_5_moe keeps conv and recurrent state (not truncatable): the file holds it and the
+    checkpoint at the prompt's end, so after a restart the next turn is continued at the same
+    point the same session continues it, with the same reply; damaged state bytes are refused."""
+    from core.sessions import SessionStore
+    from models.registry import supported_types
+    if "qwen3_5_moe" not in supported_types() or not (fixture_root / "qwen35moe-a").is_dir():
+        pytest.skip("no linear-attention family or fixture here")
+    path = containers("qwen35moe-a", 16)
+    ids = np.load(fixture_root / "qwen35moe-a" / "reference.npz")["ids"].tolist()
+    one = open_engine(path)
+    r1 = turn(one, ids[:10], 4)[0]
+    store = SessionStore(tmp_path / "caches")
+    assert store.save(one, "lin") is not None
+    for follow in (ids[:10] + [(t + 1) % one.spec.vocab_size for t in r1] + ids[10:20],   # at the checkpoint
+                   ids[:10] + r1[:-1] + ids[10:16]):                                  # at the end
+        same = open_engine(path)
+        turn(same, ids[:10], 4)
+        want = turn(same, follow, 4)
+        other = open_engine(path)
+        r = store.restore(other, "lin", follow)
+        assert r.loaded and r.positions == want[2].cached_tokens > 0
+        got = turn(other, follow, 4)
+        assert got[0] == want[0] and got[2].cached_tokens == want[2].cached_tokens
+    data = bytearray(store.path("lin").read_bytes())
+    data[-8] ^= 0x10                                      # inside the checkpoint's state
+    store.path("lin").write_bytes(bytes(data))
+    r = store.restore(open_engine(path), "lin", ids[:12])
+    assert not r.loaded and "checksum" in r.warning
