@@ -111,7 +111,9 @@ extensions = cythonize(
                include_dirs=["cython_kernels", numpy.get_include()],
                define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")], depends=["cython_kernels/qkern.h", "cython_kernels/qkern_neon.h",
                                                        "cython_kernels/layer_ops.h", "cython_kernels/layer_ops.pxi",
-                                                       "cython_kernels/attention_block.h", "cython_kernels/fileio.h"])],
+                                                       "cython_kernels/attention_block.h", "cython_kernels/fileio.h",
+                                                       "cython_kernels/mla_block.h", "cython_kernels/mla_ops.pxi",
+                                                       "cython_kernels/linear_attention.h", "cython_kernels/linear_ops.pxi"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
 )
 

@@ -446,3 +446,12 @@ def mla_block(mats: dict, biases: tuple, in_norm, q_a_norm, kv_a_norm, eps: floa
                                   kv_lora_rank, qk_nope, qk_rope, v_head_dim)
     except ValueError:      # shapes the block does not take: the step-by-step path runs instead
         return None
+
+
+# --- linear attention (core.blocks.linear_attention; cython_kernels/linear_attention.h) ----------
+
+def linear_attention_kernels():
+    """The compiled Gated DeltaNet core (``gdn_block`` and its pieces ``gdn_conv``,
+    ``l2norm_rows``, ``gdn_gates``, ``delta_rule``, ``gated_norm``), or None: no extension, or one
+    built before it (the numpy reference runs instead)."""
+    return _compiled if _compiled is not None and hasattr(_compiled, "gdn_block") else None

