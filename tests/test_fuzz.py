@@ -297,7 +297,8 @@ def test_converter_inputs_convert_cleanly_or_are_refused(pristine_source, tmp_pa
     assert case >= len(SOURCE_TARGETS)
 
 
-FAMILY_FIXTURES = ("glm4moe-a", "deepseekv3-b", "glmdsa-b")    # every config reader of issue 17
+FAMILY_FIXTURES = ("glm4moe-a", "deepseekv3-b", "glmdsa-b",   # every config reader of issue 17
+                   "qwen35moe-a", "qwen35moe-b")                  # and issue 18 (text-only, composite)
 
 
 @pytest.mark.parametrize("name", FAMILY_FIXTURES)
