@@ -6,9 +6,10 @@
  *   coli_gdn_gates:  beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias)).
  *   coli_l2norm:     x * (1 / sqrt(sum x^2 + 1e-6)) (then * scale) per row; the sum in coli_dot's
  *                    lane order.
- *   coli_gdn_delta:  per v head, position after position: S <- decay S; mem = S^T k;
- *                    S += k (x) beta (v - mem); o = S^T q -- two passes over the head's state per
- *                    position (decay + read, then write + read); k / q head = v head / (Hv / Hk).
+ *   coli_gdn_delta:  per v head, position after position, the delta rule S <- decay S;
+ *                    S += k (x) beta (v - S^T k); o = S^T q with the decay factored out of the
+ *                    reads: one read of the state (S^T k, S^T q), one read + write (the update);
+ *                    k / q head = v head / (Hv / Hk).
  *   coli_gated_norm: w * x / sqrt(mean x^2 + eps) * silu(z) per row of d.
  *   coli_gdn_block:  all of it for T positions in one call (conv, l2norms, gates, delta rule,
  *                    gated norm): the same static functions on the same values as the step-by-
@@ -99,37 +100,42 @@ static void coli_l2norm(float *x, coli_ix d, coli_ix stride, float eps, float sc
 
 /* v heads [h0, h1): q, k rows of dk at q + (t * qs + kh * dk) (qs: a position's stride), v rows of
  * dv at v + (t * vs + h * dv); decay / beta [T, Hv]; S [Hv, dk, dv] updated; o [T, Hv, dv].
- * mem (dv floats) is scratch. */
+ * mem (2 * dv floats) is scratch. Per position, with a = S^T k and b = S^T q of the state before
+ * it (one read of the state), delta = beta (v - decay a), o = decay b + (k . q) delta, then
+ * S <- decay S + k (x) delta (one read and one write): the delta rule's S <- decay S;
+ * S += k (x) beta (v - S^T k); o = S^T q, with the decay taken out of the two reads, so the
+ * state is streamed twice per position, not four times (it is 2 MB a layer at Qwen3.6's size). */
 static void coli_gdn_delta(coli_ix T, coli_ix Hk, coli_ix Hv, coli_ix dk, coli_ix dv,
                            const float *q, const float *k, coli_ix qs, const float *v, coli_ix vs,
                            const float *decay, const float *beta, float *S, float *o, float *mem,
                            coli_ix h0, coli_ix h1)
 {
     coli_ix rep = Hv / Hk, t, h, i, j;
+    float *sa = mem, *sb = mem + dv;
     for (h = h0; h < h1; h++) {
         float *Sh = S + h * dk * dv;
         coli_ix kh = h / rep;
         for (t = 0; t < T; t++) {
             const float *qt = q + t * qs + kh * dk, *kt = k + t * qs + kh * dk;
             const float *vt = v + t * vs + h * dv;
-            float dec = decay[t * Hv + h], bt = beta[t * Hv + h];
+            float dec = decay[t * Hv + h], bt = beta[t * Hv + h], kq;
             float *ot = o + (t * Hv + h) * dv;
-            for (i = 0; i < dk; i++) {                     /* S <- decay S; mem = S^T k */
+            for (j = 0; j < dv; j++) { sa[j] = kt[0] * Sh[j]; sb[j] = qt[0] * Sh[j]; }
+            for (i = 1; i < dk; i++) {                     /* a = S^T k, b = S^T q */
+                const float *row = Sh + i * dv;
+                float ki = kt[i], qi = qt[i];
+                for (j = 0; j < dv; j++) { sa[j] = sa[j] + ki * row[j]; sb[j] = sb[j] + qi * row[j]; }
+            }
+            kq = coli_dot(kt, qt, dk);
+            for (j = 0; j < dv; j++) {
+                float d = (vt[j] - dec * sa[j]) * bt;      /* delta */
+                ot[j] = dec * sb[j] + kq * d;
+                sa[j] = d;
+            }
+            for (i = 0; i < dk; i++) {                     /* S <- decay S + k (x) delta */
                 float *row = Sh + i * dv;
                 float ki = kt[i];
-                if (i == 0)
-                    for (j = 0; j < dv; j++) { row[j] = row[j] * dec; mem[j] = ki * row[j]; }
-                else
-                    for (j = 0; j < dv; j++) { row[j] = row[j] * dec; mem[j] = mem[j] + ki * row[j]; }
-            }
-            for (j = 0; j < dv; j++) mem[j] = (vt[j] - mem[j]) * bt;        /* delta */
-            for (i = 0; i < dk; i++) {                     /* S += k (x) delta; o = S^T q */
-                float *row = Sh + i * dv;
-                float ki = kt[i], qi = qt[i];
-                if (i == 0)
-                    for (j = 0; j < dv; j++) { row[j] = row[j] + ki * mem[j]; ot[j] = qi * row[j]; }
-                else
-                    for (j = 0; j < dv; j++) { row[j] = row[j] + ki * mem[j]; ot[j] = ot[j] + qi * row[j]; }
+                for (j = 0; j < dv; j++) row[j] = dec * row[j] + ki * sa[j];
             }
         }
     }
@@ -162,7 +168,7 @@ typedef struct {
 static size_t coli_gdn_block_floats(coli_ix T, coli_ix Hk, coli_ix Hv, coli_ix dk, coli_ix dv, int nt)
 {
     coli_ix C = 2 * Hk * dk + Hv * dv;
-    return (size_t)(T * C + 2 * T * Hv + T * Hv * dv + (coli_ix)nt * dv);
+    return (size_t)(T * C + 2 * T * Hv + T * Hv * dv + (coli_ix)nt * 2 * dv);
 }
 
 static void coli_split(coli_ix n, int parts, int p, coli_ix *lo, coli_ix *hi)
@@ -219,7 +225,7 @@ static void coli_gdn_block(const coli_gdn_args *A, float *work, int nt)
         coli_split(Hv, n, p, &lo, &hi);
         if (lo < hi) {
             coli_gdn_delta(T, Hk, Hv, dk, dv, y, y + kd, C, y + 2 * kd, C, decay, beta, A->S, o,
-                           mems + (coli_ix)p * dv, lo, hi);
+                           mems + (coli_ix)p * 2 * dv, lo, hi);
             for (t = 0; t < T; t++)
                 coli_gated_norm(o, A->z, A->norm_w, dv, A->eps, A->out, t * Hv + lo, t * Hv + hi);
         }

@@ -112,7 +112,7 @@ def delta_rule(q, k, v, decay, beta, S):
     if T == 0:
         return o
     cdef int nt = <int>max(1, min(get_num_threads(), Hv)), t
-    mem = np.empty((nt, dv), np.float32)
+    mem = np.empty((nt, 2 * dv), np.float32)
     cdef float* qp = _f32p(q, "q")
     cdef float* kp = _f32p(k, "k")
     cdef float* vp = _f32p(v, "v")
@@ -121,7 +121,7 @@ def delta_rule(q, k, v, decay, beta, S):
     cdef float* op = _f32p(o, "o")
     cdef float* mp = _f32p(mem, "mem")
     for t in prange(nt, nogil=True, num_threads=nt, schedule="static"):
-        coli_gdn_delta(T, Hk, Hv, dk, dv, qp, kp, Hk * dk, vp, Hv * dv, dp, bp, sp, op, mp + t * dv,
+        coli_gdn_delta(T, Hk, Hv, dk, dv, qp, kp, Hk * dk, vp, Hv * dv, dp, bp, sp, op, mp + t * 2 * dv,
                        Hv * t // nt, Hv * (t + 1) // nt)
     return o
 

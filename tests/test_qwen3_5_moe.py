@@ -213,7 +213,7 @@ def test_decode_through_the_recurrent_state_equals_prefill(name, containers):
     assert np.abs(np.concatenate(parts) - full).max() <= 1e-4
     for i, fixed in enumerate(cache.state):
         for part, a in fixed.items():
-            np.testing.assert_allclose(a, chunked.state[i][part], atol=1e-5)
+            np.testing.assert_allclose(a, chunked.state[i][part], atol=1e-4)    # inputs: one row vs many
 
 
 def test_a_new_cache_starts_from_the_zero_state(containers):
