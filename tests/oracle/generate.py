@@ -175,6 +175,16 @@ CONFIGS: list[dict] = [
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0,
                          "original_max_position_embeddings": 16, "mscale": 0.9,
                          "mscale_all_dim": 0.7})),
+    # rope_interleave false: rotate-half RoPE on the rope dims (DeepseekV3Attention's other branch);
+    # q-LoRA with attention_bias (q_a / kv_a / o biases), groups, linear RoPE scaling
+    dict(name="deepseekv3-c", family="deepseek_v3", shard=False, cfg=dict(
+        vocab_size=313, hidden_size=32, intermediate_size=25, moe_intermediate_size=9,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=20,
+        kv_lora_rank=16, qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=14,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.0, norm_topk_prob=True, n_shared_experts=1,
+        first_k_dense_replace=1, rms_norm_eps=1e-6, attention_bias=True, rope_interleave=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0})),
     dict(name="glmdsa-a", family="glm_moe_dsa", shard=True, shard_size="60KB", cfg=dict(
         vocab_size=311, hidden_size=32, intermediate_size=29, moe_intermediate_size=7,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
