@@ -134,6 +134,20 @@ class KVCache:
                     (self.k if name == "k" else self.v)[layer] = grown
 
 
+def token_logprobs(logits: np.ndarray, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """(log p(tok), the ``top`` most likely (id, log p), most likely first; ties by id) under
+    log_softmax of the raw logits (float64), the model's own distribution at this step."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    best = []
+    if top > 0:
+        n = min(top, x.size)
+        idx = np.argpartition(-x, n - 1)[:n]
+        best = [(int(i), float(x[i] - lse)) for i in sorted(idx.tolist(), key=lambda i: (-x[i], i))]
+    return float(x[tok] - lse), best
+
+
 class _Cancelled(Exception):
     """Engine.cancel() reached a forward pass of a generation (between layers or expert batches)."""
 
@@ -399,20 +413,23 @@ class Engine:
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: Iterable[str] = (),
                  max_new_tokens: int = 256, raw: bool = False,
-                 cancel: threading.Event | None = None) -> Iterator[Token | Stats | Done]:
+                 cancel: threading.Event | None = None,
+                 logprobs: int | None = None) -> Iterator[Token | Stats | Done]:
         """The events of one generation. The prompt is checked here, at the call (ColiError: no
         tokenizer, an empty prompt, past the model's context); the work starts at the first
         next(). ``cancel``: this generation's own flag (set it to stop this one and no other;
-        Engine.cancel() sets the running generation's)."""
+        Engine.cancel() sets the running generation's). ``logprobs``: None, or N >= 0: each
+        Token carries its log-probability and the N most likely tokens' (Token.logprobs; computed
+        only when asked)."""
         sampling = sampling or SamplingParams()
         ids = self.prompt_ids(prompt, raw=raw)
         if not ids:
             raise ColiError("empty prompt")
         self._check_context(len(ids), "the prompt")
         return self._run(ids, Sampler(sampling), stop, max_new_tokens,
-                         cancel if cancel is not None else threading.Event())
+                         cancel if cancel is not None else threading.Event(), logprobs)
 
-    def _run(self, ids, sample, stop, max_new_tokens, flag):
+    def _run(self, ids, sample, stop, max_new_tokens, flag, logprobs=None):
         self._cancel = flag
         if self.prefix_cache:
             # room for the prompt: older entries leave first (the reply's growth is settled when
@@ -426,7 +443,7 @@ class Engine:
         keep = False
         self._cancel_checks = True
         try:
-            yield from self._generate(ids, sample, cache, stop, max_new_tokens, turn)
+            yield from self._generate(ids, sample, cache, stop, max_new_tokens, turn, logprobs)
             keep = True
         except GeneratorExit:        # the listener closed it between two events: the cache is whole
             keep = True
@@ -443,7 +460,7 @@ class Engine:
             else:
                 self.recycle_cache(cache)
 
-    def _generate(self, ids, sample, cache, stop, max_new_tokens, turn=None):
+    def _generate(self, ids, sample, cache, stop, max_new_tokens, turn=None, logprobs=None):
         """turn (prefix reuse): "cached", the prompt's first positions the cache holds already;
         "logits", the last prompt position's when it holds them all (else None: computed, and
         left there); "new", the list the generated ids go into (the cache's ids, with the prompt)."""
@@ -495,17 +512,18 @@ class Engine:
                 reason = "eos"
                 break
             new.append(tok)
+            lp = token_logprobs(logits, tok, logprobs) if logprobs is not None else None
             piece = decoder.push(tok) if decoder is not None else ""
             text += piece
             hit, matched = min(((text.find(s), s) for s in stops if s in text), default=(-1, None))
             if hit >= 0:
                 text, reason = text[:hit], "stop"
-                yield Token(tok, text[emitted:])
+                yield Token(tok, text[emitted:], lp)
                 emitted = len(text)
                 break
             # hold back a tail that could still become a stop string
             hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            yield Token(tok, text[emitted: len(text) - hold])
+            yield Token(tok, text[emitted: len(text) - hold], lp)
             yield stats(final=False)
             emitted = len(text) - hold
             if len(new) >= max_new_tokens:

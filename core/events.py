@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 class Token:
     id: int            # -1: no new token, only text held back until the end (a final flush)
     text: str          # newly completed text (may be "" while a UTF-8 sequence is incomplete)
+    # only when generate(logprobs=N) asked: (log-probability of this token, [(id, log-probability)
+    # of the N most likely tokens, most likely first]) under the model's distribution at this step
+    # (log_softmax of the raw logits: before temperature, top-k, top-p)
+    logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
 
 @dataclass

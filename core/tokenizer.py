@@ -45,6 +45,7 @@ from typing import Any, Iterable
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -390,6 +391,19 @@ class ChatTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_templates)
+
+    def template_uses(self, name: str, tools: Any = True) -> bool:
+        """Whether the chat template that would render (``tools`` given or not: the ``tool_use``
+        template is chosen when tools are passed and it exists) reads the variable ``name``
+        (e.g. ``"tools"``): a template that never reads ``tools`` would drop them in silence."""
+        if not self.chat_templates:
+            return False
+        try:
+            template = self._select_template(None, tools)
+            env = compile_chat_template(template).environment
+            return name in jinja2.meta.find_undeclared_variables(env.parse(template))
+        except (ValueError, jinja2.TemplateError):
+            return False
 
     def _select_template(self, chat_template: str | None, tools: Any) -> str:
         templates = self.chat_templates

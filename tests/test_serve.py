@@ -271,7 +271,8 @@ OK_CHAT = {"model": DEMO, "messages": FORTUNE, "max_tokens": 2}
     ({**OK_CHAT, "stop": ["a"] * 17}, "at most 16"),
     ({**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' is not supported"),
     ({**OK_CHAT, "n": 2}, "'n' is not supported"),
-    ({**OK_CHAT, "logprobs": True}, "'logprobs' is not supported"),
+    ({**OK_CHAT, "logprobs": True, "top_logprobs": 21}, "'top_logprobs' is 21, more than 20"),
+    ({**OK_CHAT, "top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
     ({**OK_CHAT, "stream": True, "stream_options": {"include_usage": "y"}}, "'include_usage' must be a boolean"),
 ])
 def test_bad_chat_requests_get_a_400_with_a_clear_message(demo_server, body, says):

@@ -31,6 +31,9 @@ from core.sampling import MAX_SEED, SamplingParams
 from .metrics import Metrics
 from .params import (ApiError, bad, boolean, integer, number, refuse_unsupported, stops, string,
                      text_content)
+from .logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenText, chat_entries
+from .tools import (ReplyAssembler, anthropic_tools, arguments_object, call_id, openai_tools,
+                    split_reply)
 from .worker import Job, QueueFull, ShuttingDown, Worker
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -137,7 +140,25 @@ class ServeState:
         room = max(1, limit - n_prompt)
         return min(default, room) if default is not None else room
 
-    async def tokenize(self, prompt, raw: bool = False, param: str = "messages") -> list[int]:
+    def check_tools(self, tools) -> None:
+        """Tools reach the model only through its chat template: one that never reads ``tools``
+        refuses them (ignoring them would answer as if the client had sent none)."""
+        if tools is None:
+            return
+        tok = self.engine.tokenizer
+        if tok is None or not tok.template_uses("tools", tools):
+            raise bad(f"'tools' is not supported by this model: its chat template "
+                      f"{'is missing' if tok is None or not tok.has_chat_template else 'never reads a `tools` variable'}"
+                      f", so the model could not see them", "tools")
+
+    async def tokenize(self, prompt, raw: bool = False, param: str = "messages", tools=None) -> list[int]:
+        if tools is not None:
+            try:
+                ids = await run_in_threadpool(lambda: self.engine.tokenizer.encode_chat(
+                    list(prompt), add_generation_prompt=True, tools=tools))
+            except ValueError as e:
+                raise bad(f"chat template: {e}", param) from None
+            return self._checked(ids, param)
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             bad_ids = [t for t in prompt if not 0 <= t < self.vocab]
             if bad_ids:
@@ -148,6 +169,9 @@ class ServeState:
                 ids = await run_in_threadpool(self.engine.prompt_ids, prompt, raw)
             except ColiError as e:
                 raise bad(str(e), param) from None
+        return self._checked(ids, param)
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise bad("the prompt is empty", param)
         if self.context and len(ids) > self.context:
@@ -156,8 +180,8 @@ class ServeState:
                            code="context_length_exceeded")
         return ids
 
-    def submit(self, ids, sampling, stop, max_new_tokens) -> Job:
-        job = Job(ids, sampling, stop, max_new_tokens, asyncio.get_running_loop())
+    def submit(self, ids, sampling, stop, max_new_tokens, logprobs: int | None = None) -> Job:
+        job = Job(ids, sampling, stop, max_new_tokens, asyncio.get_running_loop(), logprobs)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -193,11 +217,13 @@ async def _collect(state: ServeState, request: Request, job: Job) -> dict:
                 state.worker.cancel(job)
                 return
     watcher = asyncio.ensure_future(watch())
-    out = {"text": [], "stats": None, "reason": None, "error": None}
+    out = {"text": [], "stats": None, "reason": None, "error": None, "logprobs": []}
     try:
         async for kind, val in _items(job):
             if kind == "token":
                 out["text"].append(val.text)
+                if val.logprobs is not None:
+                    out["logprobs"].append((val.id, val.logprobs))
             elif kind == "stats":
                 out["stats"] = val
             elif kind == "done":
@@ -315,13 +341,33 @@ def _streaming(state: ServeState, job: Job, route: str, frames) -> StreamingResp
 
 # --- OpenAI ----------------------------------------------------------------------------------------
 
-OPENAI_UNSUPPORTED = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-                      "logprobs": False, "top_logprobs": 0, "n": 1, "presence_penalty": 0,
-                      "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
-                      "audio": None, "prediction": None}
+OPENAI_UNSUPPORTED = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+                      "response_format": {"type": "text"}, "audio": None, "prediction": None}
 
 
-def _chat_messages(body: dict) -> list[dict]:
+def _chat_logprobs(body: dict) -> int | None:
+    """``logprobs: true`` (+ ``top_logprobs`` 0..20): the alternatives each token reports; None: off."""
+    want = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if want else None
+
+
+def _openai_call(call: dict) -> dict:
+    return {"id": call_id("openai"), "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+
+
+def _finish(reason, calls: int) -> str:
+    if calls and reason not in ("length", "context"):
+        return "tool_calls"
+    return OPENAI_FINISH.get(reason, "stop")
+
+
+def _chat_messages(body: dict, tools: bool = False) -> list[dict]:
+    """The messages for the chat template; with tools, a "tool" message (a call's result) and an
+    assistant message's ``tool_calls`` travel as transformers' templates read them."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array of messages", "messages")
@@ -331,15 +377,37 @@ def _chat_messages(body: dict) -> list[dict]:
             raise bad(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
         role = "system" if role == "developer" else role
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise bad(f"messages[{i}].role {role!r} is not supported (system, developer, user, "
-                      f"assistant; tools are not supported yet)", "messages")
-        if m.get("tool_calls"):
-            raise bad(f"messages[{i}].tool_calls: tools are not supported yet", "messages")
+                      f"assistant, tool)", "messages")
+        if (role == "tool" or m.get("tool_calls")) and not tools:
+            raise bad(f"messages[{i}] is a tool {'result' if role == 'tool' else 'call'}: send the "
+                      f"request's 'tools' too", "messages")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
-        out.append({"role": role, "content": text_content(content, f"messages[{i}].content")})
+        msg = {"role": role, "content": text_content(content, f"messages[{i}].content")}
+        if role == "tool":
+            if m.get("tool_call_id") is not None:
+                msg["tool_call_id"] = string(m, "tool_call_id")
+            if m.get("name") is not None:
+                msg["name"] = string(m, "name")
+        calls = m.get("tool_calls")
+        if calls:
+            if role != "assistant" or not isinstance(calls, list):
+                raise bad(f"messages[{i}].tool_calls must be an array on an assistant message", "messages")
+            msg["tool_calls"] = []
+            for j, c in enumerate(calls):
+                where = f"messages[{i}].tool_calls[{j}]"
+                f = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                    raise bad(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\"}}}}", "messages")
+                msg["tool_calls"].append({"id": c.get("id") if isinstance(c.get("id"), str) else call_id(),
+                                          "type": "function", "function": {
+                                              "name": f["name"],
+                                              "arguments": arguments_object(f.get("arguments"), f"{where}.function.arguments")}})
+        out.append(msg)
     return out
 
 
@@ -356,46 +424,105 @@ async def chat_completions(request: Request, state: ServeState) -> Response:
     body = await _read_json(request)
     model = state.check_model(body)
     refuse_unsupported(body, OPENAI_UNSUPPORTED)
-    messages = _chat_messages(body)
+    tools, parse = openai_tools(body)
+    state.check_tools(tools)
+    max_calls = None if boolean(body, "parallel_tool_calls", True) else 1
+    messages = _chat_messages(body, tools is not None)
+    top = _chat_logprobs(body)
     stream = boolean(body, "stream")
     include_usage = _stream_usage(body) if stream else False
     sampling = state.sampling(body, 2.0)
     stop = stops(body, "stop")
-    ids = await state.tokenize(messages)
+    ids = await state.tokenize(messages, tools=tools)
     max_new = state.max_tokens(body, ("max_completion_tokens", "max_tokens"), len(ids))
-    job = state.submit(ids, sampling, stop, max_new)
+    job = state.submit(ids, sampling, stop, max_new, top)
+    tt = TokenText(state.engine.tokenizer) if top is not None else None
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if not stream:
         t0 = time.monotonic()
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/chat/completions", time.monotonic() - t0)
         p, c, cached = _usage_counts(r["stats"], ids)
+        content, calls = split_reply(r["text"], max_calls) if parse else (r["text"], [])
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = [_openai_call(x) for x in calls]
+        lp = ({"content": [chat_entries(tt, v, i) for i, v in r["logprobs"]], "refusal": None}
+              if tt is not None else None)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r["text"]},
-                         "logprobs": None, "finish_reason": OPENAI_FINISH.get(r["reason"], "stop")}],
+            "choices": [{"index": 0, "message": message, "logprobs": lp,
+                         "finish_reason": _finish(r["reason"], len(calls))}],
             "usage": _openai_usage(p, c, cached), "system_fingerprint": None})
 
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
 
-    def chunk(delta, finish=None):
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-    frames = _openai_frames(job, ids, head, include_usage, text=lambda t: chunk({"content": t}),
-                            final=lambda f: chunk({}, f), opening=chunk({"role": "assistant", "content": ""}))
+    def chunk(delta, finish=None, logprobs=None):
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    frames = _chat_frames(job, ids, head, include_usage, chunk, ReplyAssembler(max_calls) if parse else None, tt)
     return _streaming(state, job, "/v1/chat/completions", frames)
 
 
-async def _openai_frames(job, ids, head: dict, include_usage: bool, text, final, opening=None):
-    """An OpenAI stream's SSE frames, for chat and plain completions alike: ``opening`` first if
-    any, ``text(piece)`` per token batch, ``final(finish_reason)``, the usage chunk when asked
-    (``head`` + empty choices), then [DONE]; an error mid-stream is one error frame."""
-    if opening is not None:
-        yield _sse(opening)
+async def _chat_frames(job, ids, head: dict, include_usage: bool, chunk, assembler, tt):
+    """A chat stream: the role, then content deltas and tool_call deltas (one per call: its id,
+    name and whole arguments) as the assembler parts them; logprobs entries ride on the next
+    chunk going out (an empty content delta while text is held back)."""
+    yield _sse(chunk({"role": "assistant", "content": ""}))
+    stats, reason, pending, ncalls = None, None, [], 0
+
+    def lp():
+        nonlocal pending
+        if tt is None:
+            return None
+        out, pending = {"content": pending, "refusal": None}, []
+        return out
+
+    def frames_for(parts):
+        nonlocal ncalls
+        for k, v in parts:
+            if k == "text":
+                yield _sse(chunk({"content": v}, logprobs=lp()))
+            else:
+                yield _sse(chunk({"tool_calls": [{"index": ncalls, **_openai_call(v)}]}, logprobs=lp()))
+                ncalls += 1
+    async for kind, val in _items(job):
+        if kind == "token":
+            if tt is not None and val.logprobs is not None:
+                pending.append(chat_entries(tt, val.logprobs, val.id))
+            parts = (assembler.feed(val.text) if assembler is not None
+                     else [("text", val.text)] if val.text else [])
+            for f in frames_for(parts):
+                yield f
+            if pending:
+                yield _sse(chunk({"content": ""}, logprobs=lp()))
+        elif kind == "stats":
+            stats = val
+        elif kind == "done":
+            reason = val
+        elif kind == "error":
+            yield _sse(_openai_error_body(val[0], val[1]))
+            return
+    if assembler is not None:
+        for f in frames_for(assembler.flush()):
+            yield f
+    yield _sse(chunk({}, _finish(reason, ncalls)))
+    if include_usage:
+        p, c, cached = _usage_counts(stats, ids)
+        yield _sse({**head, "choices": [], "usage": _openai_usage(p, c, cached)})
+    yield "data: [DONE]\n\n"
+
+
+async def _openai_frames(job, ids, head: dict, include_usage: bool, text, final, logprobs=None):
+    """A completions stream's SSE frames: ``text(piece, logprobs)`` per token, ``final(finish_reason)``,
+    the usage chunk when asked (``head`` + empty choices), then [DONE]; an error mid-stream is one
+    error frame. ``logprobs``: a CompletionLogprobs when asked."""
     stats, reason = None, None
     async for kind, val in _items(job):
-        if kind == "token" and val.text:
-            yield _sse(text(val.text))
+        if kind == "token" and (val.text or (logprobs is not None and val.logprobs is not None)):
+            lp = (logprobs.take([(val.id, val.logprobs)]) if logprobs is not None and val.logprobs is not None
+                  else None)
+            yield _sse(text(val.text, lp))
         elif kind == "stats":
             stats = val
         elif kind == "done":
@@ -427,8 +554,9 @@ def _completion_prompt(body: dict):
 async def completions(request: Request, state: ServeState) -> Response:
     body = await _read_json(request)
     model = state.check_model(body)
-    refuse_unsupported(body, {**OPENAI_UNSUPPORTED, "logprobs": (None, 0, False), "echo": False,
+    refuse_unsupported(body, {**OPENAI_UNSUPPORTED, "tools": [], "tool_choice": "none", "echo": False,
                               "suffix": "", "best_of": 1})
+    top = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)     # the legacy API: an integer
     prompt = _completion_prompt(body)
     stream = boolean(body, "stream")
     include_usage = _stream_usage(body) if stream else False
@@ -436,30 +564,73 @@ async def completions(request: Request, state: ServeState) -> Response:
     stop = stops(body, "stop")
     ids = await state.tokenize(prompt, raw=True, param="prompt")
     max_new = state.max_tokens(body, ("max_tokens",), len(ids), default=16)     # the API's default
-    job = state.submit(ids, sampling, stop, max_new)
+    job = state.submit(ids, sampling, stop, max_new, top)
+    clp = CompletionLogprobs(TokenText(state.engine.tokenizer)) if top is not None else None
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def choice(text, finish):
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+    def choice(text, finish, logprobs=None):
+        return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
     if not stream:
         t0 = time.monotonic()
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/completions", time.monotonic() - t0)
         p, c, cached = _usage_counts(r["stats"], ids)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [choice(r["text"], OPENAI_FINISH.get(r["reason"], "stop"))],
+                             "choices": [choice(r["text"], OPENAI_FINISH.get(r["reason"], "stop"),
+                                                clp.take(r["logprobs"]) if clp is not None else None)],
                              "usage": _openai_usage(p, c, cached), "system_fingerprint": None})
 
     head = {"id": cid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": None}
-    frames = _openai_frames(job, ids, head, include_usage, text=lambda t: {**head, "choices": [choice(t, None)]},
-                            final=lambda f: {**head, "choices": [choice("", f)]})
+    frames = _openai_frames(job, ids, head, include_usage,
+                            text=lambda t, lp: {**head, "choices": [choice(t, None, lp)]},
+                            final=lambda f: {**head, "choices": [choice("", f)]}, logprobs=clp)
     return _streaming(state, job, "/v1/completions", frames)
 
 
 # --- Anthropic -------------------------------------------------------------------------------------
 
-def _anthropic_messages(body: dict) -> list[dict]:
+def _anthropic_turn(role: str, content, where: str, tools: bool) -> list[dict]:
+    """One Anthropic message as the template's messages: text blocks join; an assistant's
+    ``tool_use`` blocks become its ``tool_calls``; a user's ``tool_result`` blocks become
+    "tool" messages (before the user's text, in their order)."""
+    if isinstance(content, str) or not isinstance(content, list):
+        return [{"role": role, "content": text_content(content, where)}]
+    text, calls, results = [], [], []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("tool_use", "tool_result"):
+            text.append(part)
+            continue
+        if not tools:
+            raise bad(f"{where}[{i}] is a {kind} block: send the request's 'tools' too")
+        if kind == "tool_use":
+            if role != "assistant" or not isinstance(part.get("name"), str):
+                raise bad(f"{where}[{i}]: a tool_use block belongs to an assistant message and has a 'name'")
+            calls.append({"id": part.get("id") if isinstance(part.get("id"), str) else call_id("anthropic"),
+                          "type": "function", "function": {
+                              "name": part["name"], "arguments": arguments_object(part.get("input", {}), f"{where}[{i}].input")}})
+        else:
+            if role != "user":
+                raise bad(f"{where}[{i}]: a tool_result block belongs to a user message")
+            body = part.get("content", "")
+            msg = {"role": "tool", "content": text_content(body if body is not None else "", f"{where}[{i}].content")}
+            if isinstance(part.get("tool_use_id"), str):
+                msg["tool_call_id"] = part["tool_use_id"]
+            results.append(msg)
+    out = list(results)
+    joined = text_content(text, where) if text else ""
+    if role == "assistant":
+        msg = {"role": "assistant", "content": joined}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif text or not results:
+        out.append({"role": "user", "content": joined})
+    return out
+
+
+def _anthropic_messages(body: dict, tools: bool = False) -> list[dict]:
     out = []
     system = body.get("system")
     if system is not None:
@@ -473,38 +644,53 @@ def _anthropic_messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise bad(f"messages[{i}].role must be 'user' or 'assistant', got {role!r}")
-        out.append({"role": role, "content": text_content(m.get("content"), f"messages[{i}].content")})
-    if out[-1]["role"] != "user":
+        out.extend(_anthropic_turn(role, m.get("content"), f"messages[{i}].content", tools))
+    if out[-1]["role"] not in ("user", "tool"):
         raise bad("the last message must be the user's (continuing a partial assistant reply is not "
                   "supported)")
     return out
 
 
+def _tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": call_id("anthropic"), "name": call["name"], "input": call["arguments"]}
+
+
 async def messages(request: Request, state: ServeState) -> Response:
     body = await _read_json(request)
     model = state.check_model(body)
-    if body.get("tools"):
-        raise bad("'tools' is not supported by this server")
-    refuse_unsupported(body, {"tool_choice": None, "thinking": {"type": "disabled"}})
-    msgs = _anthropic_messages(body)
+    refuse_unsupported(body, {"thinking": {"type": "disabled"}})
+    tools, parse = anthropic_tools(body)
+    state.check_tools(tools)
+    choice = body.get("tool_choice")
+    max_calls = 1 if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True else None
+    msgs = _anthropic_messages(body, tools is not None)
     stream = boolean(body, "stream")
     sampling = state.sampling(body, 1.0)
     stop = stops(body, "stop_sequences")
-    ids = await state.tokenize(msgs)
+    ids = await state.tokenize(msgs, tools=tools)
     max_new = state.max_tokens(body, ("max_tokens",), len(ids), required=True)
     job = state.submit(ids, sampling, stop, max_new)
     mid = f"msg_{uuid.uuid4().hex}"
+
+    def stop_reason(reason, calls: int) -> str:
+        if calls and reason not in ("length", "context"):
+            return "tool_use"
+        return ANTHROPIC_STOP.get(reason, "end_turn")
     if not stream:
         t0 = time.monotonic()
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/messages", time.monotonic() - t0)
         p, c, cached = _usage_counts(r["stats"], ids)
-        reason = ANTHROPIC_STOP.get(r["reason"], "end_turn")
+        text, calls = split_reply(r["text"], max_calls) if parse else (r["text"], [])
+        reason = stop_reason(r["reason"], len(calls))
+        content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(x) for x in calls]
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": r["text"]}], "stop_reason": reason,
+            "content": content, "stop_reason": reason,
             "stop_sequence": state.stop_sequence(job, stop) if reason == "stop_sequence" else None,
             "usage": _anthropic_usage(p, c, cached)})
+
+    assembler = ReplyAssembler(max_calls) if parse else None
 
     async def frames():
         yield _event("message_start", {"type": "message_start", "message": {
@@ -513,12 +699,35 @@ async def messages(request: Request, state: ServeState) -> Response:
         yield _event("content_block_start", {"type": "content_block_start", "index": 0,
                                              "content_block": {"type": "text", "text": ""}})
         yield _event("ping", {"type": "ping"})
-        stats, reason, text = None, None, []
+        stats, reason = None, None
+        at, text_open, ncalls = 0, True, 0       # the block index; whether a text block is open
+
+        def blocks(parts):
+            nonlocal at, text_open, ncalls
+            for k, v in parts:
+                if k == "text":
+                    if not text_open:
+                        at, text_open = at + 1, True
+                        yield _event("content_block_start", {"type": "content_block_start", "index": at,
+                                                             "content_block": {"type": "text", "text": ""}})
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": at,
+                                                         "delta": {"type": "text_delta", "text": v}})
+                    continue
+                if text_open:
+                    yield _event("content_block_stop", {"type": "content_block_stop", "index": at})
+                    text_open = False
+                at += 1
+                ncalls += 1
+                block = _tool_use(v)
+                yield _event("content_block_start", {"type": "content_block_start", "index": at,
+                                                     "content_block": {**block, "input": {}}})
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": at, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": at})
         async for kind, val in _items(job):
             if kind == "token" and val.text:
-                text.append(val.text)
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                     "delta": {"type": "text_delta", "text": val.text}})
+                for f in blocks(assembler.feed(val.text) if assembler is not None else [("text", val.text)]):
+                    yield f
             elif kind == "stats":
                 stats = val
             elif kind == "done":
@@ -526,8 +735,12 @@ async def messages(request: Request, state: ServeState) -> Response:
             elif kind == "error":
                 yield _event("error", _anthropic_error_body(val[0], val[1]))
                 return
-        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        why = ANTHROPIC_STOP.get(reason, "end_turn")
+        if assembler is not None:
+            for f in blocks(assembler.flush()):
+                yield f
+        if text_open:
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": at})
+        why = stop_reason(reason, ncalls)
         seq = state.stop_sequence(job, stop) if why == "stop_sequence" else None
         # cumulative counts: the client replaces message_start's input_tokens (the cache was not
         # known then) with these

@@ -53,6 +53,7 @@ class Job:
     stop: list[str]
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None      # None, or the alternatives each Token's logprobs carry
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     number: int = field(default_factory=lambda: next(_ids))
     state: str = "queued"            # queued | running | done
@@ -170,7 +171,8 @@ class Worker:
         reason = None
         try:
             gen = self.engine.generate(job.ids, job.sampling, stop=job.stop, max_new_tokens=job.max_new_tokens,
-                                       cancel=job.cancel_flag)
+                                       cancel=job.cancel_flag,
+                                       **({"logprobs": job.logprobs} if job.logprobs is not None else {}))
             for ev in gen:
                 if isinstance(ev, Token):
                     job.tokens += ev.id >= 0
