@@ -268,3 +268,21 @@ def one_error_line(capsys, args: list[str]) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("coli: error:"), err
     return err[0]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The embedded demo model's path (skips where this install has none)."""
+    from models import default_model
+    path = default_model()
+    if path is None:
+        pytest.skip("no demo model")
+    return str(path)
+
+
+def open_engine(path, **kw):
+    """An engine on one thread that writes no routing history."""
+    from models import open_model
+    e = open_model(path, **{"threads": 1, **kw})
+    e.usage_file = None
+    return e

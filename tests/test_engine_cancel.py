@@ -11,13 +11,6 @@ from core.events import Done, Stats, Token
 from core.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from models import default_model
-    path = default_model()
-    if path is None:
-        pytest.skip("no demo model")
-    return path
 
 
 def open_demo(path):

@@ -18,24 +18,12 @@ from core.errors import ColiError
 from core.events import Done, Stats, Token
 from core.sampling import SamplingParams
 
+from tests.conftest import open_engine  # noqa: E402
+
 GREEDY = SamplingParams(greedy=True)
 FOLLOW_UPS = ("Tell me a fortune about a cat.", "And one about a dog, please.", "A last one, longer.")
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from models import default_model
-    path = default_model()
-    if path is None:
-        pytest.skip("no demo model")
-    return str(path)
-
-
-def open_engine(path, **kw):
-    from models import open_model
-    e = open_model(path, **{"threads": 1, **kw})
-    e.usage_file = None
-    return e
 
 
 class Recorder:

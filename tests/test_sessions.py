@@ -12,25 +12,11 @@ import pytest
 
 from core.events import Stats, Token
 from core.sampling import SamplingParams
-from tests.conftest import tiny_app_container, wait_for
+from tests.conftest import open_engine, tiny_app_container, wait_for
 
 GREEDY = SamplingParams(greedy=True)
 
 
-@pytest.fixture(scope="module")
-def demo():
-    from models import default_model
-    path = default_model()
-    if path is None:
-        pytest.skip("no demo model")
-    return str(path)
-
-
-def open_engine(path, **kw):
-    from models import open_model
-    e = open_model(path, **{"threads": 1, **kw})
-    e.usage_file = None
-    return e
 
 
 def turn(engine, messages, n=10):
