@@ -56,6 +56,10 @@ class ArchSpec:
     # tensor-name prefixes of the checkpoint that are no part of the language model (a vision
     # tower): the converter leaves them out and says so in the manifest (coli info)
     dropped: tuple[str, ...] = ()
+    # the routed experts' part names in the checkpoint, (gate, up, down) (Kimi: w1, w3, w2); None:
+    # gate_proj / up_proj / down_proj. The converter records them in the manifest
+    # (``expert_parts``), and the container hands the store each expert keyed by role
+    expert_parts: tuple[str, str, str] | None = None
 
     def __post_init__(self):
         if not self.cache_kinds:            # full attention everywhere unless the family says

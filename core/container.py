@@ -129,6 +129,17 @@ class Container:
         # so they are no layers or experts of this model; `coli info` reports them
         mtp = self.manifest.get("mtp")
         self.mtp: dict | None = mtp if isinstance(mtp, dict) else None
+        # the routed experts' part names where the checkpoint has its own (Kimi's w1 / w3 / w2):
+        # expert_weights keys them by role (gate_proj.weight / up_proj.weight / down_proj.weight)
+        parts = self.manifest.get("expert_parts")
+        self.expert_roles: dict[str, str] = {}
+        if parts is not None:
+            if (not isinstance(parts, dict) or set(parts) != {"gate", "up", "down"}
+                    or not all(isinstance(v, str) and v for v in parts.values())
+                    or len(set(parts.values())) != 3):
+                raise ColiError(f"{self.path}: {MANIFEST}: expert_parts must name the gate, up and down "
+                                f"tensors, got {parts!r}")
+            self.expert_roles = {v: f"{k}_proj.weight" for k, v in parts.items()}
         shards = self.manifest.get("shards")
         if not isinstance(shards, list) or not all(isinstance(x, str) and x for x in shards):
             raise ColiError(f"{self.path}: {MANIFEST} has no valid list of shards")
@@ -236,7 +247,8 @@ class Container:
 
     def expert_weights(self, layer: int, expert: int, blob) -> dict[str, Weight]:
         """Split one expert's bytes (read with a single pread of its range) into Weights keyed
-        by the suffix after ``experts.E.`` (e.g. ``gate_proj.weight``)."""
+        by the suffix after ``experts.E.`` (e.g. ``gate_proj.weight``; a family's own part names,
+        the manifest's ``expert_parts``, come back by role: ``w1.weight`` as ``gate_proj.weight``)."""
         loc = self.experts[(layer, expert)]
         view = memoryview(blob)
 
@@ -249,7 +261,7 @@ class Container:
                 continue
             q = self.quant.get(full)
             sinfo = loc.parts[suffix + ".qs"][1] if q is not None else None
-            out[suffix] = weight_from_bytes(info, part(info), q, sinfo,
+            out[self.expert_roles.get(suffix, suffix)] = weight_from_bytes(info, part(info), q, sinfo,
                                             part(sinfo) if sinfo is not None else None)
         return out
 

@@ -58,6 +58,7 @@ FP8_BLOCK = 128
 CONVERTER_VERSION = 1
 MTP_KEY = "mtp"                 # the manifest's entry for the MTP layers (see mtp_group)
 MTP_SHARD_PREFIX = "mtp-"       # their shards: mtp-00001-of-0000k.safetensors
+EXPERT_PARTS_KEY = "expert_parts"   # the routed experts' part names where not gate/up/down_proj
 DROPPED_KEY = "dropped"         # the manifest's entry for tensors no part of the language model
 _FUSED = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<kind>gate_up_proj|down_proj)$")
 _MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -454,6 +455,11 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
     if dropped_entry is not None:
         params["dropped"] = dropped_entry["prefixes"]
 
+    extra = {DROPPED_KEY: dropped_entry} if dropped_entry else {}
+    parts = getattr(spec, "expert_parts", None)
+    if parts:       # the family's own expert part names (gate, up, down), for the container
+        extra[EXPERT_PARTS_KEY] = dict(zip(("gate", "up", "down"), (f"{n}.weight" for n in parts)))
+
     def copy_side_files(out: Path) -> None:
         for fname in COPIED_FILES:
             if (src / fname).exists():
@@ -466,7 +472,7 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
             out, params, plan, bits, group_size, config.get("model_type"),
             write_tensor=lambda w, o, report: _convert_tensor(w, o, group_size, files_by_name, report),
             cost=lambda o: o.source.nbytes, finalize=copy_side_files, progress=progress,
-            mtp=mtp_entry, manifest_extra={DROPPED_KEY: dropped_entry} if dropped_entry else None)
+            mtp=mtp_entry, manifest_extra=extra or None)
     finally:
         for f in files:
             f.close()

@@ -82,8 +82,8 @@ def matmul_int8_ref(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndar
 # class at int8; ``--bits 16`` quantizes nothing and keeps every source dtype. The DSA indexer's
 # per-head weights stay F32 as transformers keeps them (``_keep_in_fp32_modules``): they decide
 # which positions attention sees.
-_F32_SUFFIXES = ("norm.weight", "mlp.gate.weight", "router.weight", "shared_expert_gate.weight",
-                 "indexer.weights_proj.weight")
+_F32_SUFFIXES = ("norm.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight",
+                 "shared_expert_gate.weight", "indexer.weights_proj.weight")
 _INT8_PARTS = ("embed_tokens", "lm_head")
 
 

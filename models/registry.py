@@ -8,11 +8,12 @@ from core.rope import Rope
 from .deepseek_v3 import DeepseekV3
 from .glm4_moe import Glm4Moe
 from .glm_moe_dsa import GlmMoeDsa
+from .kimi_linear import KimiLinear
 from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
 from .qwen3_5_moe import Qwen3_5Moe
 
-FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa, Qwen3_5Moe)}
+FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa, Qwen3_5Moe, KimiLinear)}
 # Kimi-K2's config.json says "kimi_k2": its remote-code config class is DeepseekV3Config under
 # another name, and its architectures DeepseekV3ForCausalLM (transformers 5.24 has no kimi_k2)
 FAMILIES["kimi_k2"] = DeepseekV3

@@ -13,6 +13,7 @@ class Layer:
     mixer: object       # core.blocks.attention.GQA | core.blocks.mla.MLA | core.blocks.linear_attention.GatedDeltaNet
     ffn: object         # core.blocks.mlp.SwiGLU | core.blocks.mlp.MoE
     norm_offset: float = 0.0    # the two norms multiply by weight + this ((1+w) RMSNorm: 1, folded at load)
+    ffn_prefix: str = "mlp."    # where the ffn's tensors sit (Kimi: ``block_sparse_moe.``, dense layers too)
 
     @property
     def mixer_prefix(self) -> str:
@@ -26,7 +27,7 @@ class Layer:
 
     def tensors(self, p: str, hidden: int) -> list[Need]:
         return ([Need(p + "input_layernorm.weight", (hidden,)), Need(p + "post_attention_layernorm.weight", (hidden,))]
-                + self.mixer.tensors(p + self.mixer_prefix) + self.ffn.tensors(p + "mlp."))
+                + self.mixer.tensors(p + self.mixer_prefix) + self.ffn.tensors(p + self.ffn_prefix))
 
     def cache_kind(self):
         return self.mixer.cache_kind()
@@ -40,7 +41,7 @@ class DecoderLayer:
         self.input_norm = norm_weight(c, p + "input_layernorm.weight", decl.norm_offset)
         self.post_norm = norm_weight(c, p + "post_attention_layernorm.weight", decl.norm_offset)
         self.attn = decl.mixer.build(c, p + decl.mixer_prefix, eps)
-        self.ffn = decl.ffn.build(c, p + "mlp.")
+        self.ffn = decl.ffn.build(c, p + decl.ffn_prefix)
         self.kind = self.ffn.kind
         self.router = getattr(self.ffn, "router", None)
         # decode's attention block (and a softmax router) in one compiled call, or None (the

@@ -195,3 +195,86 @@ class GatedDeltaNetMixer:
         decay = np.exp(self.neg_a * softplus(a + self.dt_bias))
         o = delta_rule(q, k, v, decay, sigmoid(b), state["recurrent"])
         return gated_rms_norm(o, self.norm_w, z.reshape(T, s.v_heads, s.v_dim), self.eps).reshape(T, -1)
+
+
+# --- KDA (Kimi-Linear's linear-attention layers) --------------------------------------------------
+def softplus_exp(x: np.ndarray) -> np.ndarray:
+    """KimiLinearForgetGate's softplus as it is written there: x above 20, else log(1 + e^x) (not
+    log1p: the rounding differs from torch's softplus for small e^x)."""
+    with np.errstate(over="ignore"):
+        e = np.exp(np.minimum(x, np.float32(20)))
+        return np.where(x > np.float32(20), x, np.log(np.float32(1.0) + e)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class KDA:
+    """Kimi Delta Attention (transformers' ``KimiLinearDeltaAttention``): q/k/v_proj, each through
+    its own causal conv (``{q,k,v}_conv1d``, concatenated in memory: one conv state of 3 x heads x
+    head_dim channels, [q | k | v]) + SiLU; q, k l2-normed as x / sqrt(Σx² + 1e-6), q / sqrt(head_dim);
+    beta = sigmoid(b_proj x); a per-channel decay g = -exp(A_log_h) * softplus(f_b(f_a x) + dt_bias)
+    (``softplus_exp``); the delta rule with decay e^g per key channel; o_norm(o) * sigmoid(g_b(g_a x))
+    per head (weight over head_dim, eps rms_norm_eps); o_proj. Its tensors sit under ``self_attn.``."""
+    hidden: int
+    heads: int
+    head_dim: int
+    conv_kernel: int
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+    def cache_kind(self):
+        return (Conv(3 * self.width, self.conv_kernel - 1), Recurrent(self.heads, self.head_dim, self.head_dim))
+
+    def tensors(self, p: str) -> list[Need]:
+        H, W, d, n = self.hidden, self.width, self.head_dim, self.heads
+        return ([Need(p + f"{x}_proj.weight", (W, H)) for x in "qkv"]
+                + [Need(p + f"{x}_conv1d.weight", (W, 1, self.conv_kernel)) for x in "qkv"]
+                + [Need(p + "f_a_proj.weight", (d, H)), Need(p + "f_b_proj.weight", (W, d)),
+                   Need(p + "dt_bias", (W,)), Need(p + "A_log", (1, 1, n, 1)), Need(p + "b_proj.weight", (n, H)),
+                   Need(p + "g_a_proj.weight", (d, H)), Need(p + "g_b_proj.weight", (W, d)),
+                   Need(p + "o_norm.weight", (d,)), Need(p + "o_proj.weight", (H, W))])
+
+    def build(self, c, p: str, eps: float) -> "KDAMixer":
+        return KDAMixer(self, c, p, eps)
+
+
+class KDAMixer:
+    window = None
+
+    def __init__(self, spec: KDA, c, p: str, eps: float):
+        self.spec, self.eps = spec, eps
+        self.q, self.k, self.v, self.f_a, self.f_b, self.b, self.g_a, self.g_b, self.out = (
+            c.load(p + n + ".weight") for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj",
+                                                "g_a_proj", "g_b_proj", "o_proj"))
+        convs = [np.asarray(c.load(p + f"{x}_conv1d.weight").data, np.float32).reshape(spec.width, spec.conv_kernel)
+                 for x in "qkv"]
+        self.conv_w = np.ascontiguousarray(np.concatenate(convs, axis=0))
+        self.dt_bias = kernels.vector(c.load(p + "dt_bias")).astype(np.float32)
+        # -exp(A_log) per head, broadcast over its channels (transformers: -A_log.float().exp() * ...)
+        a = np.exp(kernels.vector(c.load(p + "A_log")).astype(np.float32).reshape(spec.heads))
+        self.neg_a = (-a).astype(np.float32)[:, None]
+        self.norm_w = kernels.vector(c.load(p + "o_norm.weight"))
+        self.scale = np.float32(1 / (spec.head_dim ** 0.5))     # transformers: 1 / (d ** 0.5)
+
+    def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
+        s, T = self.spec, h.shape[0]
+        state = cache.state[i]
+        folded = cache.folded
+        if folded[i] != cache.length:
+            raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
+                            f"{cache.length} (a pass that did not finish): start a new cache")
+        q, k, v, fa, b, ga = kernels.matmul_many(h, [self.q, self.k, self.v, self.f_a, self.b, self.g_a])
+        W, n, d = s.width, s.heads, s.head_dim
+        y = causal_conv(np.concatenate([q, k, v], axis=-1), state["conv"], self.conv_w)
+        qn = l2norm(y[:, :W].reshape(T, n, d), divide=True) * self.scale
+        kn = l2norm(y[:, W: 2 * W].reshape(T, n, d), divide=True)
+        vv = np.ascontiguousarray(y[:, 2 * W:].reshape(T, n, d))
+        g = (kernels.matmul(fa, self.f_b) + self.dt_bias).reshape(T, n, d)
+        decay = np.exp(self.neg_a * softplus_exp(g)).astype(np.float32)
+        o = delta_rule(np.ascontiguousarray(qn, np.float32), np.ascontiguousarray(kn, np.float32), vv, decay,
+                       sigmoid(b), state["recurrent"])
+        gate = kernels.matmul(ga, self.g_b).reshape(T, n, d)
+        o = gated_rms_norm(o, self.norm_w, gate, self.eps, act="sigmoid").reshape(T, W)
+        folded[i] = cache.length + T
+        return linear(o, self.out)

@@ -58,6 +58,11 @@ def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
     return kernels.rope(np.array(x, dtype=np.float32, order="C"), cos, sin)
 
 
+def no_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """NoPE: the rope dims as they are (Kimi-Linear's MLA keeps a shared, unrotated key part)."""
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     d = x - mean
@@ -97,6 +102,7 @@ class MLA:
     indexer: Indexer | None = None    # DSA on this layer ("full")
     shared_index: bool = False        # DSA, reusing the previous layer's selection ("shared")
     interleave: bool = True           # DeepSeek's RoPE layout; False: rotate-half (rope_interleave)
+    rope: bool = True                 # False: NoPE (Kimi-Linear): the qk_rope dims are used unrotated
 
     def cache_kind(self):
         latent = Latent(self.kv_lora_rank, self.qk_rope)
@@ -156,8 +162,8 @@ class MLAAttention:
             self.ix_weights = c.load(q + "weights_proj.weight")
         # decode's compiled step (input already normed, no residual: the engine's step-by-step
         # call), or None (weights not all int4 with one group size, no extension)
-        self.fast = self._compiled(None, 0.0) if spec.interleave else None
-        self.rope = rope_interleaved if spec.interleave else rope_rotate_half
+        self.fast = self._compiled(None, 0.0) if spec.interleave and spec.rope else None
+        self.rope = (rope_interleaved if spec.interleave else rope_rotate_half) if spec.rope else no_rope
 
     def _compiled(self, input_norm, eps: float):
         s = self.spec

@@ -63,12 +63,18 @@ class MoE:
     shared_prefix: str = "shared_experts."     # Qwen's one shared expert: "shared_expert."
     # Qwen's sigma-gated shared expert: its output times sigmoid(shared_expert_gate x) ([1, hidden])
     shared_gate: bool = False
+    # the routed experts' tensor names (gate, up, down) as the checkpoint has them: Kimi's
+    # ``w1`` / ``w3`` / ``w2``; the container maps them back (manifest ``expert_parts``)
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def tensors(self, p: str) -> list[Need]:
         out = list(self.router.tensors(p, self.num_experts, self.hidden))
         expert = SwiGLU(self.hidden, self.intermediate)
+        names = dict(zip(("gate_proj", "up_proj", "down_proj"), self.expert_parts))
         for e in range(self.num_experts):
-            out += expert.tensors(p + f"experts.{e}.")
+            for need in expert.tensors(p + f"experts.{e}."):
+                head, part, tail = need.name.rsplit(".", 2)
+                out.append(Need(f"{head}.{names[part]}.{tail}", need.shape, need.optional, need.synthetic))
         if self.shared is not None:
             out += self.shared.tensors(p + self.shared_prefix)
             if self.shared_gate:

@@ -222,9 +222,32 @@ CONFIGS: list[dict] = [
         composite=dict(tie_word_embeddings=True, vision_config=dict(
             depth=1, hidden_size=16, intermediate_size=20, num_heads=2, out_hidden_size=32, patch_size=4,
             num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2))),
+    # --- Kimi-Linear (issue 18): KDA + NoPE MLA, sigmoid-group router + shared experts ---------
+    # the config's alias spellings (num_experts, num_expert_group, moe_renormalize, ...), the
+    # 1-indexed linear_attn_config layer lists, first layer dense
+    dict(name="kimilinear-a", family="kimi_linear", shard=False, cfg=dict(
+        vocab_size=311, hidden_size=32, intermediate_size=29, moe_intermediate_size=7,
+        num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=14,
+        q_lora_rank=None, qk_rope_head_dim=6, qk_nope_head_dim=10, v_head_dim=9,
+        num_experts=8, num_experts_per_token=3, num_expert_group=4, topk_group=2,
+        moe_renormalize=True, num_shared_experts=1, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+        first_k_dense_replace=1,
+        linear_attn_config=dict(head_dim=8, num_heads=3, short_conv_kernel_size=4,
+                                full_attn_layers=[2, 4], kda_layers=[1, 3]))),
+    # q-LoRA, attention biases, no groups, no renorm, 2 shared experts, explicit mlp_layer_types,
+    # kernel 3, odd sizes, sharded
+    dict(name="kimilinear-b", family="kimi_linear", shard=True, shard_size="60KB", cfg=dict(
+        vocab_size=317, hidden_size=36, intermediate_size=23, moe_intermediate_size=5,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=12,
+        q_lora_rank=18, qk_rope_head_dim=4, qk_nope_head_dim=7, v_head_dim=11, attention_bias=True,
+        num_experts=6, num_experts_per_token=2, num_expert_group=1, topk_group=1,
+        moe_renormalize=False, num_shared_experts=2, routed_scaling_factor=1.7, rms_norm_eps=1e-6,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        linear_attn_config=dict(head_dim=6, num_heads=2, short_conv_kernel_size=3,
+                                full_attn_layers=[3], kda_layers=[1, 2]))),
 ]
 # The families whose routers are sigmoid + e_score_correction_bias (set at random in _reinit).
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm_moe_dsa")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm_moe_dsa", "kimi_linear")
 BIAS_STD = 0.1         # std of e_score_correction_bias; sigmoid scores live in (0, 1)
 DSA_RETRIES = 20       # fresh weights while the indexer meets a (near) tie at its top-k boundary
 DSA_MIN_GAP = 1e-5     # ... i.e. a k-th minus (k+1)-th visible index score below this
@@ -255,6 +278,9 @@ def _classes(family: str):
     if family == "qwen3_5_moe":          # the composite image-text model (text_config + vision_config)
         from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
         return Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    if family == "kimi_linear":
+        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+        return KimiLinearConfig, KimiLinearForCausalLM
     raise ValueError(family)
 
 
@@ -552,13 +578,15 @@ class _IndexerWatch:
 def _derived(model) -> dict:
     """What transformers derived from the config (for the new families' meta.json)."""
     cfg = model.config
-    attn = model.model.layers[0].self_attn
-    rot = model.model.rotary_emb
-    out = {"softmax_scale": float(attn.scaling), "rope_dims": int(2 * rot.inv_freq.numel()),
-           "rope_attention_scaling": float(rot.attention_scaling),
-           "rope_inv_freq": [float(x) for x in rot.inv_freq],
+    attn = next(L.self_attn for L in model.model.layers if hasattr(L.self_attn, "scaling"))
+    rot = getattr(model.model, "rotary_emb", None)       # Kimi-Linear: NoPE, no rotary table
+    out = {"softmax_scale": float(attn.scaling),
            "dense_layers": [i for i, L in enumerate(model.model.layers) if not hasattr(L.mlp, "gate")]}
+    if rot is not None:
+        out.update({"rope_dims": int(2 * rot.inv_freq.numel()), "rope_attention_scaling": float(rot.attention_scaling),
+                    "rope_inv_freq": [float(x) for x in rot.inv_freq]})
     for key in ("head_dim", "qk_head_dim", "indexer_types", "mlp_layer_types", "first_k_dense_replace",
+                "layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
                 "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "n_shared_experts"):
         if hasattr(cfg, key):
             out[key] = getattr(cfg, key)
