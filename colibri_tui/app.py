@@ -49,6 +49,7 @@ class Generation:
     applied: threading.Event = field(default_factory=threading.Event)   # set: the UI took the last batch
     thread: threading.Thread | None = None
     detached: bool = False       # stopped by Esc before any text: the UI is done with it
+    holding: bool = False        # its thread holds the engine lock (the app's server waits)
 
     def __post_init__(self):
         self.applied.set()
@@ -189,6 +190,11 @@ class ColiApp(App):
         self.gen: Generation | None = None
         self.stopping: Generation | None = None     # detached, its thread still ending
         self.loading = engine is None
+        # one engine for the chat and the app's server (settings: serve): whoever generates
+        # holds this lock, so the chat waits for a request being decoded and the other way round
+        self.engine_lock = threading.Lock()
+        self.server = None           # colibri_tui.server.embedded.EmbeddedServer while serving
+        self._server_timer = None
 
     # --- layout helpers ------------------------------------------------------------------------
     def get_default_screen(self) -> Screen:
@@ -360,6 +366,8 @@ class ColiApp(App):
             self._load_seq = getattr(self, "_load_seq", 0) + 1
         elif seq != self._load_seq:
             return                    # an older load, superseded
+        if self.server is not None:
+            self.stop_server()       # its worker uses the engine that closes now
         old, self.engine = self.engine, engine
         if old is not None and old is not engine:
             for closer in (getattr(old.store, "close", None), getattr(old.container, "close", None)):
@@ -391,6 +399,42 @@ class ColiApp(App):
         self.tier_panel.push(placement=placement, heat=heat, slot_bytes=self.slot_bytes)
         self.sub_title = one_line(self.model_name)
         self.set_status(f"{self.model_name} · ready · Enter sends, Shift+Enter or Ctrl+J newline, Esc stops")
+        self.apply_server()
+
+    # --- the app's server ----------------------------------------------------------------------
+    SERVE_KEYS = ("serve", "serve_host", "serve_port", "serve_key")
+
+    def apply_server(self, restart: bool = False) -> None:
+        """Serve the loaded model when the settings say so (started, restarted, stopped)."""
+        s = self.settings
+        want = bool(s.serve) and self.engine is not None
+        if self.server is not None and (restart or not want or self.server.state.engine is not self.engine):
+            self.stop_server()
+        if want and self.server is None:
+            from core.errors import ColiError
+            from .server.embedded import EmbeddedServer
+            try:
+                self.server = EmbeddedServer(self.engine, s.serve_host, s.serve_port, s.serve_key,
+                                             lock=self.engine_lock)
+            except ColiError as e:
+                self.notify(f"the server did not start: {e}", severity="error")
+            else:
+                self.notify(f"serving {self.model_name} at {self.server.url}")
+                if self._server_timer is None:
+                    self._server_timer = self.set_interval(0.5, self._server_tick)
+        self._server_tick()
+
+    def stop_server(self) -> None:
+        srv, self.server = self.server, None
+        if srv is not None:
+            srv.stop(timeout=3.0)
+        self._server_tick()
+
+    def _server_tick(self) -> None:
+        try:
+            self.tier_panel.set_server(self.server.info() if self.server is not None else None)
+        except Exception:            # no chat screen (closing)
+            pass
 
     # --- chats ---------------------------------------------------------------------------------
     def refresh_chat_list(self) -> None:
@@ -546,7 +590,9 @@ class ColiApp(App):
                     self.notify("the engine reopens after this reply", severity="warning")
                     self._reopen_after = True
                 else:
-                    self.resolve_and_load()
+                    self.resolve_and_load()      # the server follows the new engine (_engine_ready)
+            elif any(getattr(old, k) != getattr(new, k) for k in self.SERVE_KEYS):
+                self.apply_server(restart=True)
         self.push_screen(SettingsScreen(self.settings, str(settings_mod.config_path()), self.sessions), done)
 
     @property
@@ -784,7 +830,19 @@ class ColiApp(App):
                 warn(f"the chat's cache could not be saved ({e.strerror or e}): reopening the app "
                      f"computes the conversation again")
 
+        lock = self.engine_lock
+        if lock.locked():
+            self.set_status(f"{self.model_name} · waiting for the server's request · Esc stops")
+
         def run() -> None:
+            with lock:               # the app's server generates on this engine too
+                gen.holding = True
+                try:
+                    turn()
+                finally:
+                    gen.holding = False
+
+        def turn() -> None:
             if reuse and not gen.cancel and hasattr(engine, "prefixes"):
                 # a saved cache of this chat (an earlier session): into the engine's pool if it
                 # gives more of the prompt than memory has
@@ -878,7 +936,7 @@ class ColiApp(App):
             return
         gen = self.gen
         gen.cancel = True
-        if self.engine is not None:
+        if self.engine is not None and gen.holding:      # never the server's request
             self.engine.cancel()
         if gen.text:                     # a reply under way: its final batch keeps what came
             self.set_status(f"{self.model_name} · stopping …")
@@ -894,10 +952,16 @@ class ColiApp(App):
             self.call_next(self.show_chat, gen.chat_id)
 
     def on_unmount(self) -> None:
+        if self.server is not None:
+            try:
+                self.server.stop(timeout=2.0)
+            except Exception:
+                pass
+            self.server = None
         gen = self.gen
         if gen is not None:
             gen.cancel = True
-            if self.engine is not None:
+            if self.engine is not None and gen.holding:
                 self.engine.cancel()
             if gen.text:             # closing mid-reply: keep what came so far
                 try:

@@ -217,6 +217,12 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 yield Label(Text(one_line(self._cache_note())), classes="note", id="cache_note")
                 yield Label("default sampling for new chats", classes="note")
                 yield from _sampling_fields(s.sampling)
+                yield Label("serve the loaded model (OpenAI / Anthropic API, like `coli serve`)", classes="note")
+                yield Checkbox("serve over HTTP", s.serve, id="serve")
+                yield _field("server host", Input(one_line(s.serve_host), id="serve_host", placeholder="127.0.0.1"))
+                yield _field("server port", Input(str(s.serve_port), id="serve_port", placeholder="8080"))
+                yield _field("API key", Input(s.serve_key, id="serve_key", password=True,
+                                             placeholder="none ($COLI_API_KEY if set)"))
                 if s.overridden:
                     yield Label(Text(one_line("set by the environment (not saved): " +
                                 ", ".join(f"{k} ({v})" for k, v in s.overridden.items()))), classes="note")
@@ -241,10 +247,14 @@ class SettingsScreen(ModalScreen[Settings | None]):
                            prefix_cache=self.query_one("#prefix_cache", Checkbox).value,
                            session_cache_gb=float(v("session_cache_gb")) if v("session_cache_gb") else 0.0,
                            sampling=_read_sampling(self), theme=self.settings.theme,
+                           serve=self.query_one("#serve", Checkbox).value,
+                           serve_host=v("serve_host") or "127.0.0.1",
+                           serve_port=int(v("serve_port")) if v("serve_port") else 8080,
+                           serve_key=v("serve_key"),
                            overridden=dict(self.settings.overridden))
             out.validate()
         except ValueError as e:
-            msg = str(e) if "must" in str(e) else "RAM budget, threads and saved caches must be numbers"
+            msg = str(e) if "must" in str(e) else "RAM budget, threads, saved caches and the port must be numbers"
             self.query_one("#error", Label).update(Text(one_line(msg)))
             return
         self.dismiss(out)

@@ -180,6 +180,11 @@ class Settings:
     session_cache_gb: float = 2.0   # disk for saved chat caches (least recently used go first); 0: none
     sampling: Sampling = field(default_factory=Sampling)
     theme: str = ""                 # a Textual theme name; "" = the default
+    # the app's `coli serve` for the loaded model ([serve]): off unless switched on in settings
+    serve: bool = False
+    serve_host: str = "127.0.0.1"
+    serve_port: int = 8080          # 0: a free port (shown in the tier panel)
+    serve_key: str = ""             # "" = $COLI_API_KEY, else none (loopback only)
     # where each value came from when an environment variable overrode it (not saved)
     overridden: dict = field(default_factory=dict, repr=False)
     # what was wrong with the config (invalid values, an unreadable file): the app shows these
@@ -198,7 +203,20 @@ class Settings:
         if not (isinstance(self.session_cache_gb, (int, float)) and not isinstance(self.session_cache_gb, bool)
                 and math.isfinite(self.session_cache_gb) and self.session_cache_gb >= 0):
             raise ValueError("the disk for saved chat caches must be a finite number >= 0 GB")
+        if not isinstance(self.serve_port, int) or isinstance(self.serve_port, bool) or not 0 <= self.serve_port <= 65535:
+            raise ValueError("the server's port must be a whole number in 0..65535")
+        if not isinstance(self.serve_host, str) or not self.serve_host.strip():
+            raise ValueError("the server's host must not be empty")
+        from .server import is_loopback
+        if self.serve and not is_loopback(self.serve_host) and not (self.serve_key or os.environ.get("COLI_API_KEY")):
+            raise ValueError(f"serving on {self.serve_host} (reachable from other machines) must have an API key")
         self.sampling.validate()
+
+
+def _host(v) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError("not a host name or address")
+    return v.strip()
 
 
 def _num(v, kind):
@@ -244,6 +262,9 @@ _ENGINE_CHECKS = {
     "session_cache_gb": _between(_number, 0.0),
 }
 _TOP_CHECKS = {"model": _text, "theme": _text}
+# [serve]: key -> (the Settings field, check)
+_SERVE_CHECKS = {"enabled": _bool, "host": _host, "port": _between(_whole, 0, 65535), "api_key": _text}
+_SERVE_FIELDS = {"enabled": "serve", "host": "serve_host", "port": "serve_port", "api_key": "serve_key"}
 
 
 def _read(path: Path) -> tuple[dict, str | None]:
@@ -295,9 +316,9 @@ def load(path: Path | None = None, env: dict | None = None) -> Settings:
                      f"settings keeps that file, moved aside")
     _check(data, _TOP_CHECKS, s, "", notes)
     for key, value in data.items():
-        if key in ("engine", "sampling") and not isinstance(value, dict):
+        if key in ("engine", "sampling", "serve") and not isinstance(value, dict):
             notes.append(f"{key} = {show_value(value)} is not a table of settings: its defaults are used")
-        elif key not in _TOP_CHECKS and key not in ("engine", "sampling"):
+        elif key not in _TOP_CHECKS and key not in ("engine", "sampling", "serve"):
             notes.append(f"unknown key {show_value(key)} ignored")
     eng = data.get("engine")
     if isinstance(eng, dict):
@@ -305,6 +326,18 @@ def load(path: Path | None = None, env: dict | None = None) -> Settings:
         notes += [f"engine: unknown key {show_value(k)} ignored" for k in eng if k not in _ENGINE_CHECKS]
     if isinstance(data.get("sampling"), dict):
         s.sampling = Sampling.from_dict(data["sampling"], notes)
+    srv = data.get("serve")
+    if isinstance(srv, dict):
+        for key, value in srv.items():
+            if key not in _SERVE_CHECKS:
+                notes.append(f"serve: unknown key {show_value(key)} ignored")
+                continue
+            try:
+                setattr(s, _SERVE_FIELDS[key], _SERVE_CHECKS[key](value))
+            except (TypeError, ValueError, OverflowError) as e:
+                default = getattr(Settings(), _SERVE_FIELDS[key])
+                _note(notes, f"serve.{key} = {show_value(value)} is invalid ({e}): the default "
+                             f"({default!r}) is used")
     s.notices = [n if n.startswith(str(path)) else f"{path.name}: {n}" for n in notes]
     if env.get("COLI_MODEL"):
         s.model = env["COLI_MODEL"]
@@ -345,6 +378,11 @@ def dumps(s: Settings) -> str:
     lines += ["", "[sampling]"]
     for k, v in s.sampling.as_dict().items():
         if v is not None:
+            lines.append(f"{k} = {_toml_value(v)}")
+    lines += ["", "[serve]"]
+    for k, f in _SERVE_FIELDS.items():
+        v = getattr(s, f)
+        if k != "api_key" or v:
             lines.append(f"{k} = {_toml_value(v)}")
     return "\n".join(lines) + "\n"
 

@@ -73,6 +73,7 @@ class TierPanel(Vertical):
         self._base: tuple[int, int] | None = None     # (tokens, bytes) at the first decode stats
         self.ram_used: int | None = None
         self.ram_budget: int | None = None
+        self.server: dict | None = None     # the app's server (EmbeddedServer.info()), None: off
 
     def compose(self) -> ComposeResult:
         yield Label("tok/s", classes="title", id="speed-title")
@@ -124,6 +125,20 @@ class TierPanel(Vertical):
             self.brain.update_data(placement, heat, routed)
         self.refresh_stats()
 
+    def set_server(self, info: dict | None) -> None:
+        """The app's server line: its address, requests served, the queue (None: not serving)."""
+        if info != self.server:
+            self.server = info
+            self.refresh_stats()
+
+    def server_line(self) -> str:
+        s = self.server
+        if not s:
+            return ""
+        busy = " · decoding" if s.get("decoding") else ""
+        return (f"{s['url']}{' (key)' if s.get('keyed') else ''}\n{s['served']} served · queue "
+                f"{s['waiting']}/{s['max_queue']}{busy}")
+
     def refresh_stats(self) -> None:
         self.query_one("#tier-stats", Static).update(self._table())
         if self.rates:
@@ -142,6 +157,8 @@ class TierPanel(Vertical):
         t = Table.grid(padding=(0, 1))
         t.add_column(style="dim", no_wrap=True, min_width=9)
         t.add_column(no_wrap=True, overflow="ellipsis")
+        if self.server:
+            t.add_row("server", Text(self.server_line(), style="#5fafff"))
         if not d:
             t.add_row("", Text("no reply yet", style="dim"))
         else:

@@ -76,12 +76,12 @@ def _generation_defaults(model_dir: Path) -> dict:
 
 
 class ServeState:
-    def __init__(self, engine, model_id: str, api_key: str | None, max_queue: int, log=None):
+    def __init__(self, engine, model_id: str, api_key: str | None, max_queue: int, log=None, lock=None):
         self.engine, self.model_id, self.api_key, self.log = engine, model_id, api_key, log
         self.context = int(getattr(engine.spec, "max_position_embeddings", 0) or 0)
         self.vocab = int(engine.spec.vocab_size)
         self.defaults = _generation_defaults(Path(engine.container.path))
-        self.worker = Worker(engine, max_queue=max_queue, log=log)
+        self.worker = Worker(engine, max_queue=max_queue, log=log, lock=lock)
         self.metrics = Metrics()
         self.started = time.time()
 
@@ -812,10 +812,11 @@ async def _internal(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine, model_id: str | None = None, api_key: str | None = None, max_queue: int = 8,
-              cors_origins: tuple[str, ...] | list[str] = (), log=None) -> Starlette:
-    """The ASGI app; ``app.state.serve`` holds the worker (close it with ``app.state.serve.worker.close()``)."""
+              cors_origins: tuple[str, ...] | list[str] = (), log=None, lock=None) -> Starlette:
+    """The ASGI app; ``app.state.serve`` holds the worker (close it with ``app.state.serve.worker.close()``).
+    ``lock``: held by the worker while it generates (the app's chat shares the engine)."""
     model_id = model_id or Path(engine.container.path).name
-    state = ServeState(engine, model_id, api_key, max_queue, log)
+    state = ServeState(engine, model_id, api_key, max_queue, log, lock)
     routes = [
         Route("/v1/chat/completions", endpoint("openai", "/v1/chat/completions")(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("openai", "/v1/completions")(completions), methods=["POST"]),

@@ -70,8 +70,10 @@ class Job:
 class Worker:
     """``max_queue``: jobs that may wait behind the one decoding (0: none)."""
 
-    def __init__(self, engine, max_queue: int = 8, log=None):
+    def __init__(self, engine, max_queue: int = 8, log=None, lock=None):
         self.engine, self.max_queue, self.log = engine, max_queue, log
+        # the app's engine lock (its chat generates on the same engine): held per request
+        self.lock = lock
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self.current: Job | None = None
@@ -157,7 +159,15 @@ class Worker:
                 job.state, job.started = "running", time.monotonic()
                 self.current = job
             try:
-                self._generate(job)
+                if self.lock is None:
+                    self._generate(job)
+                else:
+                    with self.lock:          # the app's chat is not generating meanwhile
+                        if not job.cancelled:
+                            self._generate(job)
+                        else:
+                            self.counts["cancelled"] += 1
+                            self._push(job, ("done", "cancelled"))
             finally:
                 with self._cond:
                     self.current = None
