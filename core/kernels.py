@@ -248,7 +248,7 @@ def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> Non
 
 def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str, q_norm, k_norm,
                     eps: float, clip, heads: int, kv_heads: int, head_dim: int, router=None,
-                    post_norm=None, top_k: int = 0, norm_topk: bool = False):
+                    post_norm=None, top_k: int = 0, norm_topk: bool = False, rope_dim: int = 0):
     """A layer's attention block for one decode position as one compiled call
     (cython_kernels/attention_block.h), or None where it does not apply: no extension, or q, k,
     v, o not all int4 with one group size. Called as block(x, cos, sin, keys, values, pos, lo,
@@ -261,9 +261,11 @@ def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str,
                                     for w in proj):
         return None
     try:
+        partial = {"rope_dim": rope_dim} if rope_dim else {}     # RoPE on the first dims only
         return _compiled.AttentionBlock([(w.data, w.scales) for w in proj], proj[0].group_size,
                                         biases, in_norm, qk_norm, q_norm, k_norm, eps, clip, heads,
-                                        kv_heads, head_dim, post_norm, router, top_k, norm_topk)
+                                        kv_heads, head_dim, post_norm, router, top_k, norm_topk,
+                                        **partial)
     except ValueError:      # shapes the block does not take: the step-by-step path reports them
         return None
 

@@ -36,6 +36,7 @@ typedef struct {
     float eps;
     float clip;                 /* < 0: no clipping */
     coli_ix gs, hidden, H, KV, D;
+    coli_ix R;                  /* RoPE turns the first R of each head's D dims (GLM-4.5: D / 2) */
     /* the MoE router that follows (router == NULL: none): h = rms_norm(out, post_norm), then
      * its softmax top-k over E experts */
     const float *post_norm, *router;
@@ -216,8 +217,13 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
                 coli_rms_norm(q, W->q_norm, q, H, D, W->eps);
                 coli_rms_norm(k, W->k_norm, k, KV, D, W->eps);
             }
-            coli_rope(q, cs, sn, 1, H, D);
-            coli_rope(k, cs, sn, 1, KV, D);
+            if (W->R == D) {
+                coli_rope(q, cs, sn, 1, H, D);
+                coli_rope(k, cs, sn, 1, KV, D);
+            } else {                /* the numpy path's rope_ of x[..., :R], head by head */
+                coli_rope_part(q, cs, sn, H, D, W->R);
+                coli_rope_part(k, cs, sn, KV, D, W->R);
+            }
             for (g = 0; g < KV; g++)
                 if (half)
                     for (j = 0; j < D; j++) {

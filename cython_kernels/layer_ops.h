@@ -158,6 +158,21 @@ static void coli_rope(float *x, const float *cs, const float *sn, coli_ix T, col
     }
 }
 
+/* coli_rope of one position on the first R dims of each of H heads of D values (cs / sn [R]):
+ * the same operations as coli_rope over those dims, the rest untouched (partial RoPE). */
+static void coli_rope_part(float *x, const float *cs, const float *sn, coli_ix H, coli_ix D, coli_ix R)
+{
+    coli_ix h, i, half = R / 2;
+    for (h = 0; h < H; h++) {
+        float *v = x + h * D;
+        for (i = 0; i < half; i++) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cs[i] + (-b) * sn[i];
+            v[i + half] = b * cs[i + half] + a * sn[i + half];
+        }
+    }
+}
+
 /* The scores p[0..n) become exp(scale * p[j] - max) in place (softmax before the division);
  * returns their sum. */
 static float coli_softmax_unnorm(float *p, coli_ix n, float scale)

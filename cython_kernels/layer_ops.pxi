@@ -187,6 +187,7 @@ cdef extern from "attention_block.h":
         float eps
         float clip
         Py_ssize_t gs, hidden, H, KV, D
+        Py_ssize_t R
         const float* post_norm
         const float* router
         Py_ssize_t E, top_k
@@ -225,10 +226,12 @@ cdef class AttentionBlock:
 
     def __init__(self, proj, Py_ssize_t group_size, biases, in_norm, str qk_norm, q_norm, k_norm,
                  float eps, clip, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim,
-                 post_norm=None, router=None, Py_ssize_t top_k=0, bint norm_topk=False):
+                 post_norm=None, router=None, Py_ssize_t top_k=0, bint norm_topk=False,
+                 Py_ssize_t rope_dim=0):
         """proj: (data, scales) of the int4 q, k, v, o projections; biases: 4 vectors or None;
         qk_norm: "none", "full" or "per_head"; clip: a float or None; router: float32
-        [experts, hidden] (None: no router) with its post_norm [hidden] and top_k."""
+        [experts, hidden] (None: no router) with its post_norm [hidden] and top_k; rope_dim: the
+        first dims of each head RoPE turns (0: all of them)."""
         cdef const float[:, ::1] rv
         cdef Py_ssize_t hidden, m, HD = heads * head_dim, KD = kv_heads * head_dim
         cdef const unsigned char[:, ::1] wv
@@ -237,6 +240,10 @@ cdef class AttentionBlock:
             raise ValueError("attention block: bad head counts or head size")
         if group_size < 2 or group_size % 2:
             raise ValueError(f"attention block: group_size must be even and >= 2, got {group_size}")
+        if rope_dim == 0:
+            rope_dim = head_dim
+        if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
+            raise ValueError(f"attention block: rope_dim must be even and in 2..{head_dim}, got {rope_dim}")
         if len(proj) != 4 or len(biases) != 4:
             raise ValueError("attention block: expected q, k, v and o")
         hidden = np.asarray(in_norm).shape[0]
@@ -292,15 +299,16 @@ cdef class AttentionBlock:
         self.w.H = heads
         self.w.KV = kv_heads
         self.w.D = head_dim
+        self.w.R = rope_dim
 
     def __call__(self, const float[:, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
                  keys, values, Py_ssize_t pos, Py_ssize_t lo, float scale):
-        """x [1, hidden]; cos / sin [1, head_dim] (the rotary angles of pos); keys / values: the
+        """x [1, hidden]; cos / sin [1, rope_dim] (the rotary angles of pos); keys / values: the
         layer's cache [kv_heads, capacity, head_dim], C-contiguous float32 or float16, with
         capacity > pos. Attends to positions
         lo..pos. Returns x + the block's output, [1, hidden]; with a router, (that, the MoE input
         h [1, hidden], top int64 [1, top_k], weights float32 [1, top_k])."""
-        cdef Py_ssize_t D = self.w.D
+        cdef Py_ssize_t D = self.w.D, R = self.w.R
         cdef int nt = get_num_threads()
         cdef bint half = keys.dtype == np.float16
         cdef float[:, :, ::1] kf, vf
@@ -309,8 +317,8 @@ cdef class AttentionBlock:
         cdef void* vp
         if x.shape[0] != 1 or x.shape[1] != self.w.hidden:
             raise ValueError(f"attention block: x must be [1, {self.w.hidden}]")
-        if cos.shape[0] != 1 or sin.shape[0] != 1 or cos.shape[1] != D or sin.shape[1] != D:
-            raise ValueError(f"attention block: cos / sin must be [1, {D}]")
+        if cos.shape[0] != 1 or sin.shape[0] != 1 or cos.shape[1] != R or sin.shape[1] != R:
+            raise ValueError(f"attention block: cos / sin must be [1, {R}]")
         if (keys.shape[0] != self.w.KV or keys.shape[2] != D or values.shape[0] != self.w.KV
                 or values.shape[1] != keys.shape[1] or values.shape[2] != D
                 or not 0 <= pos < keys.shape[1] or not 0 <= lo <= pos):

@@ -195,3 +195,41 @@ def test_float16_rounding_of_a_new_cache_row_is_numpys():
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).view(np.uint16)
     np.testing.assert_array_equal(qm.f32_to_f16(x), want)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("qk_norm,rope_dim", [("per_head", 32), ("none", 16), ("full", 48)])
+def test_partial_rope_block_has_the_bits_of_the_step_by_step_path(qk_norm, rope_dim, kv):
+    """GLM-4.5 turns the first half of each head (partial_rotary_factor): the block rotates
+    the first rope_dim dims as GQAAttention._rope does, every SIMD variant, 1-3 threads."""
+    hidden, H, KV, D, gs, n = 256, 4, 2, 64, 64, 21
+    rng = np.random.default_rng(rope_dim)
+    s = _spec(hidden, H, KV, D, qk_norm, None)
+    L = _layer(rng, hidden, H, KV, D, gs, qk_norm, True, None)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    before = _filled_cache(rng, s, n, kv)
+    cos, sin = Rope({"rope_theta": 10000.0, "partial_rotary_factor": rope_dim / D}, rope_dim,
+                    partial=True).cos_sin(np.array([n]))
+    scale = np.float32(D ** -0.5)
+    attn = _attention(L, s)
+    attn.rope_dim = rope_dim
+    block = kernels.attention_block([L.q, L.k, L.v, L.o], [L.q_bias, L.k_bias, L.v_bias, L.o_bias],
+                                    L.input_norm, s.qk_norm, L.q_norm, L.k_norm, s.rms_norm_eps, None,
+                                    H, KV, D, rope_dim=rope_dim)
+    assert block is not None
+    for simd in qm.simd_variants():
+        qm.set_simd(simd)
+        ref = KVCache(s, dtype=kv)
+        ref.arrays = [{"k": before.k[0].copy(), "v": before.v[0].copy()}]
+        ref._views()
+        ref.length = n
+        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, ref, np.array([n]),
+                        SimpleNamespace(cancel_checks=False))
+        for threads in (1, 2, 3):
+            qm.set_num_threads(threads)
+            k, v = before.k[0].copy(), before.v[0].copy()
+            got = block(x, cos, sin, k, v, n, 0, scale)
+            np.testing.assert_array_equal(got, want, err_msg=f"{simd}, {threads} threads")
+            np.testing.assert_array_equal(k[:, : n + 1], ref.k[0][:, : n + 1])
+    with pytest.raises(ValueError, match="cos / sin"):       # the table must be rope_dim wide
+        block(x, np.zeros((1, D), np.float32), np.zeros((1, D), np.float32), k, v, n, 0, scale)

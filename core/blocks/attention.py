@@ -74,14 +74,16 @@ class GQAAttention:
     def compiled_block(self, input_norm, router=None, post_norm=None, top_k: int = 0, norm_topk: bool = False):
         """The layer's decode step (input norm, this attention, the residual and, with a softmax
         router, the MoE input and its routing) as one compiled call, or None where it does not
-        apply (partial RoPE, weights not all int4 with one group size, no extension)."""
+        apply (gated attention, weights not all int4 with one group size, no extension). Partial
+        RoPE (GLM-4.5) turns the first rope_dim dims in the block as _rope does."""
         s = self.spec
-        if self.rope_dim != s.head_dim or s.gated:
+        if s.gated:
             return None
         return kernels.attention_block(
             [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
             input_norm, s.qk_norm, self.q_norm, self.k_norm, self.eps, s.clip, s.heads, s.kv_heads,
-            s.head_dim, router, post_norm, top_k, norm_topk)
+            s.head_dim, router, post_norm, top_k, norm_topk,
+            rope_dim=self.rope_dim if self.rope_dim != s.head_dim else 0)
 
     def _rope(self, x, cos, sin):
         if self.rope_dim == x.shape[-1]:
