@@ -205,7 +205,7 @@ def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc:
 # --- the container ---------------------------------------------------------------------------------
 def write_random_container(out: str | Path, config: dict, bits: int = 4, group_size: int = 64,
                            seed: int = 0, progress: Callable[[Progress], None] | None = None) -> Path:
-    """Write a random-weight container for ``config`` (olmoe or qwen3_moe) at ``out``.
+    """Write a random-weight container for ``config`` (any supported family: its layout names the tensors) at ``out``.
 
     Rerunning with the same arguments on a finished container returns at once; on an interrupted
     one it resumes from the last complete shard. Other arguments on an existing container are
