@@ -48,6 +48,8 @@ class Entry:
     note: str = ""
     dense_gb: float | None = None        # resident weights (everything but the routed experts)
     kv_bytes_per_pos: int | None = None  # cache bytes one position of context takes (float32)
+    state_bytes: int = 0                 # cache bytes whatever the context (linear layers' conv +
+                                         # recurrent state, float32): counted once, not per position
     mtp_gb: float = 0.0                  # the MTP shards `coli convert` writes aside (--drop-mtp: 0)
     config: dict = field(default_factory=dict)   # the published config.json's fields the family reads
     source: str = ""             # where the config and the download size come from
@@ -61,8 +63,9 @@ class Entry:
 
     @property
     def context_gb(self) -> float:
-        """The cache the planner reserves (KV_CONTEXT positions, float32): KV or MLA latent."""
-        return (self.kv_bytes_per_pos or 0) * self.context_positions / GB
+        """The cache the planner reserves: KV_CONTEXT positions (float32) of KV or MLA latent on
+        the layers that grow with context, plus the fixed state of the linear layers once."""
+        return ((self.kv_bytes_per_pos or 0) * self.context_positions + self.state_bytes) / GB
 
     @property
     def context_positions(self) -> int:
@@ -136,6 +139,18 @@ def mtp_tensors(spec, config: dict, family: str) -> list[tuple[str, tuple[int, .
     n = config.get("num_nextn_predict_layers") or 0
     H, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
     out = []
+    if family == "qwen3_5_moe":
+        # Qwen3.5 / 3.6: mtp.layers.<k> (a full-attention MoE layer, the last layer's kind), mtp.fc
+        # [H, 2H], mtp.pre_fc_norm_embedding / pre_fc_norm_hidden / norm (transformers' Qwen3.5 MTP)
+        text = config.get("text_config") or config
+        n = text.get("mtp_num_hidden_layers") or 0
+        for k in range(n if isinstance(n, int) and spec.layers else 0):
+            out += [(t.name, t.shape) for t in spec.layers[-1].tensors(f"mtp.layers.{k}.", H)
+                    if t.synthetic and t.shape]
+        if out:
+            out += [("mtp.fc.weight", (H, 2 * H)), ("mtp.pre_fc_norm_embedding.weight", (H,)),
+                    ("mtp.pre_fc_norm_hidden.weight", (H,)), ("mtp.norm.weight", (H,))]
+        return out
     for k in range(n if isinstance(n, int) and spec.layers else 0):
         p = f"model.layers.{L + k}."
         out += [(t.name, t.shape) for t in spec.layers[-1].tensors(p, H) if t.synthetic and t.shape]
@@ -165,9 +180,9 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
             continue
         b, n = tensor_bytes(t.name, t.shape, bits), math.prod(t.shape)
         total, params, source = total + b, params + n, source + _source_bytes(t.name, t.shape, config)
-        if ".mlp.experts." in t.name:
-            experts, expert_params = experts + b, expert_params + n
-            prefix = t.name.split(".mlp.experts.")[0]
+        if ".experts." in t.name:         # routed experts under the layer's ffn prefix (mlp.,
+            experts, expert_params = experts + b, expert_params + n     # kimi's block_sparse_moe.)
+            prefix = t.name.split(".experts.")[0]
             per_layer[prefix] = per_layer.get(prefix, 0) + b
     E, K = spec.num_experts, spec.top_k
     active_experts = sum(per_layer.values()) * K / E if E else 0.0     # top_k x MoE layers x one expert
@@ -177,7 +192,8 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
     dense = total - experts
     kv = cache_kinds.bytes_per_position(spec.cache_kinds, KV_DTYPE)
     positions = min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
-    context = kv * positions + cache_kinds.fixed_bytes(spec.cache_kinds, KV_DTYPE)
+    state = cache_kinds.fixed_bytes(spec.cache_kinds, KV_DTYPE)     # once, whatever the context
+    context = kv * positions + state
     return {
         "params_b": params / 1e9,
         "active_b": (params - expert_params + expert_params * K / E if E else params) / 1e9,
@@ -187,6 +203,7 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
         "dense_gb": dense / GB,
         "mtp_gb": mtp_bytes / GB,
         "kv_bytes_per_pos": kv,
+        "state_bytes": state,
         "context_gb": context / GB,
         "min_ram_gb": float(math.ceil((dense + active_experts + context) / GB + RUNTIME_OVERHEAD_GB)),
         "bytes": {"total": total, "experts": experts, "dense": dense, "mtp": mtp_bytes, "source": source},
@@ -248,6 +265,8 @@ def fit(entry: Entry, directory: str | Path, available_ram: int | None = None, f
     tok_s = 1 / seconds if seconds > 0 else None
     # what the reserved context costs, where the entry says (a KV cache, or an MLA latent one)
     ctx = f" · {entry.context_positions}-token context {context:.1f} GB" if entry.kv_bytes_per_pos else ""
+    if entry.state_bytes and ctx:             # hybrids: the linear layers' state is fixed, said apart
+        ctx += f" (fixed state {entry.state_bytes / GB:.2f} GB)"
     if hit >= 1.0:
         return Fit("ram", f"fits in RAM · ≤{tok_s:.0f} tok/s{ctx}", tok_s, need, free_gb, avail)
     return Fit("stream", f"streams from disk ({hit:.0%} of experts in RAM) · ≈{tok_s:.1f} tok/s "

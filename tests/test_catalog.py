@@ -119,6 +119,30 @@ def test_latent_and_kv_cache_bytes_per_position():
     assert glm5.context_positions == 4096 and glm5.context_gb == pytest.approx(78 * 704 * 4 * 4096 / G)
 
 
+
+def test_hybrid_entries_count_the_fixed_state_once():
+    """Qwen3.6-35B-A3B (30 Gated DeltaNet + 10 attention layers) and Kimi-Linear (20 KDA + 7 MLA):
+    only the full layers grow per position; the linear layers' conv + recurrent state (float32) is
+    counted once, in the reserved context, min RAM and the fit line, whatever the context."""
+    from models.catalog import estimate, fit, load
+    every = {e.repo: e for e in load(include_pending=True)}
+    qwen, kimi = every["Qwen/Qwen3.6-35B-A3B"], every["moonshotai/Kimi-Linear-48B-A3B-Instruct"]
+    assert qwen.kv_bytes_per_pos == 10 * 2 * 2 * 256 * 4                  # 10 full layers' K + V
+    assert qwen.state_bytes == 30 * ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128) * 4
+    assert kimi.kv_bytes_per_pos == 7 * (512 + 64) * 4                     # 7 MLA layers' latent
+    assert kimi.state_bytes == 20 * (3 * 32 * 128 * 3 + 32 * 128 * 128) * 4
+    assert kimi.pending and not qwen.pending
+    for e in (qwen, kimi):
+        est = estimate(e.config, e.family)
+        assert est["state_bytes"] == e.state_bytes
+        assert e.context_gb == pytest.approx((e.kv_bytes_per_pos * 4096 + e.state_bytes) / G)
+        assert e.context_gb == pytest.approx(est["context_gb"])
+        assert 0 < est["active_expert_gb"] < 1 and est["dense_gb"] < 2      # experts under any ffn prefix
+    assert 34 < qwen.params_b < 36 and 3 < qwen.active_b < 4 and qwen.mtp_gb > 0
+    assert 48 < kimi.params_b < 50 and 3 < kimi.active_b < 4
+    s = fit(qwen, ".", available_ram=32 * G, free=200 * G)
+    assert s.verdict == "ram" and "4096-token context 0.2 GB (fixed state 0.07 GB)" in s.text
+
 def test_huge_entries_numbers_and_fit():
     """GLM-5 (744B-A40B): ~420 GB at int4, a 1.5 TB BF16 download; DeepSeek-V3.1 671B; Kimi-K2 1T
     (not offered yet: pending). The fit check streams them, or says what is missing."""
