@@ -298,7 +298,8 @@ def test_converter_inputs_convert_cleanly_or_are_refused(pristine_source, tmp_pa
 
 
 FAMILY_FIXTURES = ("glm4moe-a", "deepseekv3-b", "glmdsa-b",   # every config reader of issue 17
-                   "qwen35moe-a", "qwen35moe-b")                  # and issue 18 (text-only, composite)
+                   "qwen35moe-a", "qwen35moe-b",                  # and issue 18 (text-only, composite)
+                   "kimilinear-a", "kimilinear-b")                # kimi_linear (1-indexed linear_attn_config)
 
 
 @pytest.mark.parametrize("name", FAMILY_FIXTURES)
