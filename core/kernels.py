@@ -457,3 +457,10 @@ def linear_attention_kernels():
     ``l2norm_rows``, ``gdn_gates``, ``delta_rule``, ``gated_norm``), or None: no extension, or one
     built before it (the numpy reference runs instead)."""
     return _compiled if _compiled is not None and hasattr(_compiled, "gdn_block") else None
+
+
+def kda_kernels():
+    """The compiled KDA core (Kimi-Linear; cython_kernels/kda_block.h: ``kda_block`` and its pieces
+    ``gdn_conv``, ``kda_l2norm_rows``, ``kda_gates``, ``kda_delta_rule``, ``kda_norm``), or None: no
+    extension, or one built before it (the numpy reference runs instead)."""
+    return _compiled if _compiled is not None and hasattr(_compiled, "kda_block") else None

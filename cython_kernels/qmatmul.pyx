@@ -734,6 +734,7 @@ _ONE = np.float32(1.0)
 include "layer_ops.pxi"
 include "mla_ops.pxi"
 include "linear_ops.pxi"
+include "kda_ops.pxi"
 
 
 # --- positioned reads without the GIL, on every OS (fileio.h; core.fileio picks it where Python's

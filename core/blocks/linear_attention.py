@@ -20,6 +20,12 @@ the numpy composition takes ~0.9-1.4 ms), with the bits of the same steps called
 (``core_steps``; the engine's ``fused_attention`` False runs those), tested in
 tests/test_linear_attention_block.py. The numpy reference (no extension) agrees to float32
 rounding (its exp is numpy's).
+
+KDA's core likewise (cython_kernels/kda_block.h, ``kernels.kda_kernels``: ``kda_block`` -- the three
+convs + SiLU, the divide-form l2norms, the per-channel forget gate and beta, the per-channel delta
+rule, the sigmoid-gated o_norm -- in one call for any number of positions, with the bits of
+``KDAMixer.core_steps``' compiled pieces; tests/test_kda_block.py): 0.37 ms per layer and position
+at Kimi-Linear-48B's geometry (32 heads x 128) where the numpy composition takes ~0.9 ms.
 """
 from __future__ import annotations
 
@@ -265,16 +271,37 @@ class KDAMixer:
             raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
                             f"{cache.length} (a pass that did not finish): start a new cache")
         q, k, v, fa, b, ga = kernels.matmul_many(h, [self.q, self.k, self.v, self.f_a, self.b, self.g_a])
+        f, gate = kernels.matmul(fa, self.f_b), kernels.matmul(ga, self.g_b)
+        qkv = np.concatenate([q, k, v], axis=-1)
+        qm = kernels.kda_kernels()
+        if qm is not None and getattr(ctx, "fused_attention", True):
+            # conv + l2norms + gates + per-channel delta rule + gated norm in one compiled call, at any T
+            o = qm.kda_block(qkv, f, b, gate, self.conv_w, state["conv"], state["recurrent"], self.dt_bias,
+                             self.neg_a, self.norm_w, self.eps, self.scale, s.heads, s.head_dim)
+        else:
+            o = self.core_steps(qm, qkv, f, b, gate, state)
+        folded[i] = cache.length + T
+        return linear(o, self.out)
+
+    def core_steps(self, qm, qkv, f, b, gate, state) -> np.ndarray:
+        """The core step by step from the projections (qkv [T, 3W] = [q | k | v], f the f_b
+        projection, b, gate the g_b projection): with the compiled pieces (``qm``: the bits of its
+        one-call ``kda_block``), or the numpy reference (None). Returns [T, W]."""
+        s, T = self.spec, qkv.shape[0]
         W, n, d = s.width, s.heads, s.head_dim
-        y = causal_conv(np.concatenate([q, k, v], axis=-1), state["conv"], self.conv_w)
+        if qm is not None:
+            y = qm.gdn_conv(qkv, state["conv"], self.conv_w)
+            qn = qm.kda_l2norm_rows(y[:, :W].reshape(T, n, d), self.scale)
+            kn = qm.kda_l2norm_rows(y[:, W: 2 * W].reshape(T, n, d))
+            decay, beta = qm.kda_gates(f, b, self.dt_bias, self.neg_a)
+            o = qm.kda_delta_rule(qn, kn, y[:, 2 * W:].reshape(T, n, d), decay, beta, state["recurrent"])
+            return qm.kda_norm(o, gate.reshape(T, n, d), self.norm_w, self.eps).reshape(T, W)
+        y = causal_conv(qkv, state["conv"], self.conv_w)
         qn = l2norm(y[:, :W].reshape(T, n, d), divide=True) * self.scale
         kn = l2norm(y[:, W: 2 * W].reshape(T, n, d), divide=True)
         vv = np.ascontiguousarray(y[:, 2 * W:].reshape(T, n, d))
-        g = (kernels.matmul(fa, self.f_b) + self.dt_bias).reshape(T, n, d)
+        g = (f + self.dt_bias).reshape(T, n, d)
         decay = np.exp(self.neg_a * softplus_exp(g)).astype(np.float32)
         o = delta_rule(np.ascontiguousarray(qn, np.float32), np.ascontiguousarray(kn, np.float32), vv, decay,
                        sigmoid(b), state["recurrent"])
-        gate = kernels.matmul(ga, self.g_b).reshape(T, n, d)
-        o = gated_rms_norm(o, self.norm_w, gate, self.eps, act="sigmoid").reshape(T, W)
-        folded[i] = cache.length + T
-        return linear(o, self.out)
+        return gated_rms_norm(o, self.norm_w, gate.reshape(T, n, d), self.eps, act="sigmoid").reshape(T, W)
