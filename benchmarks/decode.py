@@ -3,7 +3,7 @@
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
                                 [--prefill 512] [--no-torch] [--layers N]
                                 [--kv-cache float32|float16] [--int8-activations] [--repeats 1]
-                                [--busy N] [--model DIR] [--geometry glm45air|glm5]
+                                [--busy N] [--model DIR] [--geometry glm45air|glm5|qwen36]
                                 [--context 0,4096] [--fill synthetic|prefill]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
@@ -35,6 +35,12 @@ and kept, or at ``--dir``). Every expert is loaded into RAM before the timed dec
 implied), and the model line breaks the bytes touched per token into routed experts, lm_head,
 the rest of the dense weights and the cache attention reads (KV for GQA; the MLA latent, plus
 the DSA index keys on "full" layers, for GLM-5: core.cache_kinds' bytes per position x context).
+
+``--geometry qwen36`` (issue 18): Qwen3.6-35B-A3B's layers, 3 Gated DeltaNet + 1 gated
+attention. The bytes touched per token count the linear layers' fixed state (conv + recurrent,
+float32) read and written each step, whatever the context; only the full layer's KV grows. Each
+run also times one decode position of a Gated DeltaNet core three ways (the compiled one-call
+block, the compiled pieces step by step, the numpy composition).
 
 ``--context 0,4096``: context lengths to decode at, each a row of the tables (thread counts and
 contexts interleave under --repeats). 0 is the short case above (the --prompt-len prompt through
@@ -138,6 +144,7 @@ def child(a) -> None:
     if a.preload or a.context:
         load_all_experts(engine, geo)
     keep = ("attention_s", "experts_s", "lm_head_s")
+    step = linear_step_ms(engine)
     if a.context:
         res = context_decode(a, engine, geo)
         res["threads_used"] = kernels.get_threads()
@@ -153,7 +160,47 @@ def child(a) -> None:
         res["prefill"] = {"tokens": a.prefill, "s": dt, "tok_s": a.prefill / dt,
                           **{k: engine.counters[k] for k in keep}}
         res["sgemm_gflops"] = sgemm_gflops(a.prefill)
+    if step:
+        res["linear_step_ms"] = step
     print(json.dumps(res, default=str))
+
+
+def linear_step_ms(engine, repeats: int = 20) -> dict | None:
+    """One decode position of the first Gated DeltaNet layer's core (conv update, l2norms, gates,
+    delta-rule step, gated norm; not its projections), ms: the one compiled call the engine makes
+    ("fused"), the compiled pieces one by one (engine.fused_attention False: "pieces") and the
+    numpy composition ("numpy"). Best of ``repeats``; None without such a layer."""
+    import numpy as np
+
+    from core import kernels
+    from core.blocks.linear_attention import GatedDeltaNetMixer
+
+    mixer = next((L.attn for L in engine.layers if isinstance(L.attn, GatedDeltaNetMixer)), None)
+    if mixer is None:
+        return None
+    s, rng = mixer.spec, np.random.default_rng(0)
+    qkv = rng.standard_normal((1, s.conv_channels), dtype=np.float32)
+    z = rng.standard_normal((1, s.v_heads * s.v_dim), dtype=np.float32)
+    b, a_ = (rng.standard_normal((1, s.v_heads), dtype=np.float32) for _ in range(2))
+    state = {"conv": 0.1 * rng.standard_normal((s.conv_channels, s.conv_kernel - 1), dtype=np.float32),
+             "recurrent": 0.1 * rng.standard_normal((s.v_heads, s.k_dim, s.v_dim), dtype=np.float32)}
+    qm = kernels.linear_attention_kernels()
+    ways = {"numpy": lambda: mixer.core_steps(None, qkv, z, b, a_, state)}
+    if qm is not None:
+        ways["pieces"] = lambda: mixer.core_steps(qm, qkv, z, b, a_, state)
+        ways["fused"] = lambda: qm.gdn_block(qkv, z, b, a_, mixer.conv_w, state["conv"], state["recurrent"],
+                                             mixer.dt_bias, mixer.neg_a, mixer.norm_w, mixer.eps, mixer.scale,
+                                             s.k_heads, s.v_heads, s.k_dim, s.v_dim)
+    out = {}
+    for name, f in ways.items():
+        f()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 1e3 * best
+    return out
 
 
 def prompt_decode(a, engine, geo: dict, keep) -> dict:
@@ -212,7 +259,12 @@ def fill_cache(engine, cache, n: int, how: str, seed: int, vocab: int) -> float:
             for arr in cache.arrays[i].values():          # [lead, capacity, width]
                 for h in range(arr.shape[0]):
                     arr[h, :n] = rng.standard_normal((n, arr.shape[2]), dtype=np.float32)
+        for fixed in getattr(cache, "state", ()):            # linear layers: conv + recurrent state
+            for arr in fixed.values():                         # (fixed size: any values, same work)
+                arr[...] = 0.1 * rng.standard_normal(arr.shape, dtype=np.float32)
         cache.length = n
+        if hasattr(cache, "folded"):
+            cache.folded = [n] * len(cache.folded)             # the state "holds" the n positions
     return time.perf_counter() - t0
 
 
@@ -565,9 +617,12 @@ def bench(a, path: Path, tmp: Path) -> int:
     contexts = parse_contexts(getattr(a, "context", "0"))
     a.contexts = contexts
     bpp = kv_bytes_per_position(spec, a.kv_cache)
+    from core import cache_kinds
+    # linear layers: their conv + recurrent state (float32, fixed size) read and written each step
+    state_rw = 2 * cache_kinds.fixed_bytes(spec.cache_kinds, a.kv_cache)
     touched, kv = {}, {}
     for n in contexts:
-        kv[n] = int(bpp * mean_context(a, n))
+        kv[n] = int(bpp * mean_context(a, n)) + state_rw
         touched[n] = weights + kv[n]
     layer_params, head_params = active_params(path)
     print("machine:")
@@ -636,6 +691,11 @@ def print_breakdown(path, spec, geo, emb, weights, bpp, a, contexts, kv) -> None
           f"MLPs, routers, norms) {rest / 1e9:.3f} GB; embedding row {row / 1e3:.1f} kB")
     print(f"cache per position ({a.kv_cache}): {bpp} B = "
           + ", ".join(f"{n} layer{'s' * (n > 1)} x ({k})" for k, n in kinds.items()))
+    fixed = cache_kinds.fixed_bytes(spec.cache_kinds, a.kv_cache)
+    if fixed:
+        print(f"fixed state (linear layers, whatever the context): {cache_kinds.describe(spec.cache_kinds, a.kv_cache)}"
+              f"; read + written each step: 2 x {fixed:,} B = {2 * fixed / 1e9:.4f} GB per token "
+              "(in the cache column below)")
     for n in contexts:
         print(f"  context {n or f'{a.prompt_len}-token prompt'}: mean {mean_context(a, n):.0f} positions "
               f"-> cache {kv[n] / 1e9:.3f} GB read per token; touched {(weights + kv[n]) / 1e9:.3f} GB")
@@ -693,6 +753,15 @@ def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_para
               + ((f" {r['fill_s']:7.1f}" if "fill_s" in r else f" {'-':>7}") if show else ""))
     print("(second run's decode steps, experts resident; eff. GB/s = tok/s x bytes touched per "
           "token; per-step ms from the engine's Stats, 'other' = the rest of a step)")
+    steps = [(t, n, r["linear_step_ms"]) for t, r, _, _, n in rows if r.get("linear_step_ms")]
+    if steps:
+        print(f"\nGated DeltaNet core, one decode position of one layer (ms, best of 20; projections "
+              f"not included): {hpre}threads, " + ", ".join(steps[0][2]))
+        for t, n, st in steps:
+            print(f"  {pre(n)}{t!s:>7} " + "  ".join(f"{k} {v:.3f}" for k, v in st.items())
+                  + (f"  (numpy / fused {st['numpy'] / st['fused']:.1f}x)" if "fused" in st else ""))
+        print("(fused: the one compiled call decode makes; pieces: the compiled steps one by one, "
+              "engine.fused_attention False; numpy: the reference composition)")
     if show:
         print(f"(context 0: the {a.prompt_len}-token prompt; N > 0: {a.tokens} steps after N cached "
               f"positions ({a.fill} fill, fill s = its time) and {CONTEXT_WARMUP} untimed steps)")

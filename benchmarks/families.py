@@ -1,8 +1,8 @@
 """Real per-layer geometries of the newer families, a few layers deep, for the decode and
-streaming benchmarks (issue 17): random-weight containers (core.synthetic) with GLM-4.5-Air's and
-GLM-5's layer sizes, made once under /work/bench_models/ and kept.
+streaming benchmarks (issues 17, 18): random-weight containers (core.synthetic) with GLM-4.5-Air's,
+GLM-5's and Qwen3.6-35B-A3B's layer sizes, made once under /work/bench_models/ and kept.
 
-    python benchmarks/families.py [glm45air|glm5 ...]     # make (or verify) the containers
+    python benchmarks/families.py [glm45air|glm5|qwen36 ...]     # make (or verify) the containers
 
 ``benchmarks/decode.py --geometry NAME`` and ``benchmarks/streaming.py --geometry NAME`` use them.
 Every layer has the real model's sizes; only the depth is cut (GLM-4.5-Air: 4 of 46 layers, the
@@ -54,6 +54,21 @@ GLM5 = {
     "tie_word_embeddings": False,
 }
 
+# transformers' Qwen3_5MoeTextConfig defaults = Qwen/Qwen3.6-35B-A3B's text model (the model card's
+# layout; models/catalog.toml), 4 of its 40 layers: 3 Gated DeltaNet + 1 gated attention, as the
+# model's 10 x (3 + 1) pattern; the text-only form (no vision tower, no MTP)
+QWEN36 = {
+    "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "hidden_act": "silu", "max_position_embeddings": 262144, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+}
+
 # tiny versions with the same structure, for tests (seconds)
 TINY = {
     "glm45air": {**GLM45_AIR, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
@@ -64,11 +79,17 @@ TINY = {
              "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
              "v_head_dim": 8, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
              "n_routed_experts": 8, "num_experts_per_tok": 2},
+    "qwen36": {**QWEN36, "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 16,
+               "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
+               "num_experts_per_tok": 2},
 }
 
-GEOMETRIES = {"glm45air": GLM45_AIR, "glm5": GLM5}
+GEOMETRIES = {"glm45air": GLM45_AIR, "glm5": GLM5, "qwen36": QWEN36}
 LABELS = {"glm45air": "GLM-4.5-Air (4 of 46 layers: 1 dense + 3 MoE)",
-          "glm5": "GLM-5 (2 of 78 layers: dense + MoE; DSA full + shared)"}
+          "glm5": "GLM-5 (2 of 78 layers: dense + MoE; DSA full + shared)",
+          "qwen36": "Qwen3.6-35B-A3B (4 of 40 layers: 3 Gated DeltaNet + 1 gated attention, all MoE)"}
 
 
 def geometry(name: str, tiny: bool = False) -> dict:

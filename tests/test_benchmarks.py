@@ -73,6 +73,32 @@ def test_decode_benchmark_family_geometries_at_a_context(tmp_path, capsys):
         assert "prefill of 12 positions" in out
 
 
+def test_decode_benchmark_qwen36_counts_the_fixed_state(tmp_path, capsys):
+    """--geometry qwen36 (tiny): 3 Gated DeltaNet layers + 1 attention layer; the bytes touched
+    count the linear layers' fixed state read + written each step, the synthetic fill sets their
+    state, and each row times the linear core three ways (numpy, compiled pieces, fused)."""
+    import argparse
+
+    from benchmarks.decode import bench
+    from benchmarks.families import ensure, geometry
+    from core import kernels
+    path, _, _ = ensure(tmp_path / "q", geometry("qwen36", tiny=True))
+    a = argparse.Namespace(dir=path, tokens=3, prompt_len=4, seed=0, threads="1", prefill=0,
+                           no_torch=True, layers=0, int8_activations=False, kv_cache="float32",
+                           repeats=1, busy=0, model=None, context="0,20", fill="synthetic", preload=True)
+    (tmp_path / "run").mkdir()
+    assert bench(a, path, tmp_path / "run") == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "1 layer x (kv 256 B)" in out, out
+    fixed = 3 * ((2 * 2 * 16 + 4 * 16) * 3 + 4 * 16 * 16) * 4       # 3 layers' conv + recurrent, f32
+    assert f"read + written each step: 2 x {fixed:,} B" in out
+    rows = [l.split() for l in out.splitlines() if l.split()[:2] in (["0", "1"], ["20", "1"])]
+    assert [r[0] for r in rows][:2] == ["0", "20"] and float(rows[1][2]) > 0
+    steps = [l for l in out.splitlines() if l.strip().startswith(("0 ", "20 ")) and "numpy" in l]
+    assert len(steps) == 2, out
+    if kernels.linear_attention_kernels() is not None:
+        assert all("fused" in l and "pieces" in l for l in steps)
+
 def test_streaming_benchmark_takes_a_geometry(tmp_path, capsys, monkeypatch):
     """streaming.py --geometry: the family container (tiny here), 2 of 8 experts per layer, one
     row per run."""
