@@ -30,8 +30,15 @@ def data_bytes(path: Path) -> tuple[int, int, int]:
             continue
         b = info["data_offsets"][1] - info["data_offsets"][0]
         total += b
-        experts += b if ".mlp.experts." in name else 0
+        experts += b if ".experts." in name else 0          # mlp.experts / kimi's block_sparse_moe.experts
     return total, experts, 8 + n
+
+
+def _offsets(path: Path) -> dict[str, tuple[int, int]]:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
 
 
 def container_bytes(out: Path, mtp: bool = False) -> tuple[int, int, int]:
@@ -46,14 +53,16 @@ def no_mtp(config: dict) -> dict:
 
 
 @pytest.mark.parametrize("fixture", ["glm4moe-a", "glm4moe-b", "deepseekv3-a", "deepseekv3-b",
-                                     "glmdsa-a", "glmdsa-b", "olmoe-a", "qwen3moe-a"])
+                                     "glmdsa-a", "glmdsa-b", "olmoe-a", "qwen3moe-a",
+                                     "qwen35moe-a", "qwen35moe-b", "kimilinear-a", "kimilinear-b"])
 def test_the_estimate_is_what_coli_convert_writes(fixture, tmp_path):
     from core.converter import convert
     from models.catalog import GB, estimate
     src = FIXTURES / fixture / "model"
     config = no_mtp(json.loads((src / "config.json").read_text()))
-    out = convert(src, tmp_path / "c", bits=4)
-    total, experts, headers = container_bytes(out)
+    from models import validate_config
+    out = convert(src, tmp_path / "c", bits=4, validate_config=validate_config)   # as coli convert:
+    total, experts, headers = container_bytes(out)     # the family's spec drops a vision tower
     est = estimate(config)
     b = est["bytes"]
     assert (b["total"], b["experts"], b["dense"]) == (total, experts, total - experts)      # byte for byte
@@ -61,7 +70,11 @@ def test_the_estimate_is_what_coli_convert_writes(fixture, tmp_path):
     assert files == total + headers                        # the rest of the files is their headers
     assert abs(est["disk_gb"] * GB - files) <= headers
     # the download: the source's tensors (float32 here, the config's dtype)
-    assert b["source"] == sum(data_bytes(p)[0] for p in src.glob("*.safetensors"))
+    # (a composite checkpoint's vision tower, which the family drops, is not counted: see below)
+    visual = sum(e - s for p in src.glob("*.safetensors") for n, (s, e) in _offsets(p).items()
+                 if n.startswith("model.visual."))
+    assert b["source"] == sum(data_bytes(p)[0] for p in src.glob("*.safetensors")) - visual
+    assert (visual > 0) == (fixture == "qwen35moe-b")
     # one token's routed experts: top_k x MoE layers x one expert, from the container's own index
     from core.container import Container
     c = Container(out)
@@ -69,7 +82,9 @@ def test_the_estimate_is_what_coli_convert_writes(fixture, tmp_path):
     sizes = set(per_expert.values())
     assert len(sizes) == 1
     moe_layers = len({layer for layer, _ in per_expert})
-    assert est["active_expert_gb"] * GB == pytest.approx(config["num_experts_per_tok"] * moe_layers * sizes.pop())
+    from models import family_for
+    top_k = family_for(config).spec(config).top_k        # num_experts_per_tok, or kimi's alias
+    assert est["active_expert_gb"] * GB == pytest.approx(top_k * moe_layers * sizes.pop())
 
 
 @pytest.mark.parametrize("fixture", ["glm4moe-a", "deepseekv3-a", "glmdsa-a"])
