@@ -23,6 +23,7 @@ from . import settings as settings_mod
 from .chatview import AssistantMessage, MessageList, PromptInput, UserMessage, code_blocks
 from .history import History, export_path, title_from
 from .safetext import one_line, visible
+from .thinking import prompt_opens_think, split_think
 from .screens import ChatSettingsScreen, ConfirmScreen, MessageScreen, SettingsScreen, TextPrompt
 from .settings import Settings
 from .tierpanel import TierPanel, human_bytes
@@ -50,6 +51,7 @@ class Generation:
     thread: threading.Thread | None = None
     detached: bool = False       # stopped by Esc before any text: the UI is done with it
     holding: bool = False        # its thread holds the engine lock (the app's server waits)
+    think_open: bool = False     # the prompt ended inside a think block: the reply starts thinking
 
     def __post_init__(self):
         self.applied.set()
@@ -461,11 +463,15 @@ class ColiApp(App):
             if m.role == "user":
                 widgets.append(UserMessage(m.content))
             elif m.role == "assistant":
+                tt = m.stats.get("thinking_tokens")
                 widgets.append(AssistantMessage(m.content, meta=fmt_meta(m.stats.get("stats"),
-                                                                         m.stats.get("reason"))))
+                                                                         m.stats.get("reason")),
+                                                opened=m.stats.get("think_open") is True,
+                                                think_tokens=tt if isinstance(tt, int) else None))
         if self.gen is not None and self.gen.chat_id == chat_id:
             # the reply streaming in this chat: a fresh widget picks up the text so far
-            self.gen.widget = AssistantMessage(self.gen.text, streaming=True)
+            self.gen.widget = AssistantMessage(self.gen.text, streaming=True, opened=self.gen.think_open,
+                                               count_tokens=self.count_tokens)
             widgets.append(self.gen.widget)
         elif self.gen is not None:
             self.gen.widget = None
@@ -793,11 +799,12 @@ class ColiApp(App):
         view = self.messages_view
         for w in view.query("#empty"):
             w.remove()
-        widget = AssistantMessage("", streaming=True)
+        think_open = self.prompt_opens_think(messages)
+        widget = AssistantMessage("", streaming=True, opened=think_open, count_tokens=self.count_tokens)
         self.prompt_input.clear()
         await view.mount_all([UserMessage(text), widget])
         view.scroll_end(animate=False)
-        self.gen = Generation(chat.id, text, msg_id, widget)
+        self.gen = Generation(chat.id, text, msg_id, widget, think_open=think_open)
         self.tier_panel.reset()
         self.refresh_chat_list()
         self.set_status(f"{self.model_name} · generating · Esc stops")
@@ -883,7 +890,7 @@ class ColiApp(App):
             return
         gen.text += batch["text"]
         if gen.widget is not None and gen.widget.is_attached and len(gen.widget.content) < len(gen.text):
-            await gen.widget.append(gen.text[len(gen.widget.content):])
+            await gen.widget.append(gen.text[len(gen.widget.content):], tokens=batch["tokens"])
         gen.tokens += batch["tokens"]
         panel = self.tier_panel
         panel.push(stats=batch["stats"], rate=batch["rate"], placement=batch["placement"],
@@ -911,7 +918,8 @@ class ColiApp(App):
         meta = fmt_meta(stats, reason)
         if error:
             meta += f" · error: {error}"
-        self.history.add_message(gen.chat_id, "assistant", gen.text, {"stats": stats, "reason": reason})
+        self.history.add_message(gen.chat_id, "assistant", gen.text,
+                                 {"stats": stats, "reason": reason, **self.thinking_stats(gen)})
         if gen.widget is not None and gen.widget.is_attached:
             await gen.widget.finish(meta)
         self.refresh_chat_list()
@@ -919,6 +927,38 @@ class ColiApp(App):
         if getattr(self, "_reopen_after", False):
             self._reopen_after = False
             self.resolve_and_load()
+
+    def prompt_opens_think(self, messages: list[dict]) -> bool:
+        """Whether the model's chat template ends this prompt inside a think block (Qwen3 /
+        Qwen3.6 with thinking on): the reply then starts as thinking."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None or not getattr(tok, "has_chat_template", False):
+            return False
+        try:
+            return prompt_opens_think(tok.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception:                # a refused prompt: generate says so
+            return False
+
+    def count_tokens(self, text: str) -> int | None:
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None:
+            return None
+        return len(tok.encode(visible(text), add_special_tokens=False))
+
+    def thinking_stats(self, gen: Generation) -> dict:
+        """What the saved reply keeps about its thinking (the text itself stays raw)."""
+        thinking, _, _ = split_think(gen.text, gen.think_open)
+        out = {"think_open": True} if gen.think_open else {}
+        if thinking is not None:
+            n = gen.widget.think_tokens if gen.widget is not None else None
+            if n is None:
+                try:
+                    n = self.count_tokens(thinking)
+                except Exception:
+                    n = None
+            if n is not None:
+                out["thinking_tokens"] = int(n)
+        return out
 
     async def _undo_turn(self, gen: Generation) -> None:
         """Nothing came back: the user's message leaves the chat and returns to the prompt."""

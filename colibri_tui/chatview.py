@@ -18,29 +18,9 @@ from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static, TextArea
 
 from .safetext import visible
+from .thinking import THINK_CLOSE, THINK_OPEN, split_think  # noqa: F401  (re-exported)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 NEWLINE_KEYS = ("shift+enter", "ctrl+j", "alt+enter")
-
-
-def _held(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` could be the start of ``tag``."""
-    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
-
-
-def split_think(text: str) -> tuple[str | None, str, bool]:
-    """(thinking or None, answer, thinking still open) for a reply that may open with <think>.
-    Partial tags at the end are held back so they never flash on screen."""
-    s = text.lstrip()
-    if not s.startswith(THINK_OPEN):
-        if s and THINK_OPEN.startswith(s):
-            return None, "", False         # maybe the start of <think>: wait
-        return None, text, False
-    body = s[len(THINK_OPEN):]
-    end = body.find(THINK_CLOSE)
-    if end < 0:
-        return body[: len(body) - _held(body, THINK_CLOSE)].strip("\n"), "", True
-    return body[:end].strip("\n"), body[end + len(THINK_CLOSE):].lstrip("\n"), False
 
 
 # a fenced code block (``` or ~~~, up to 3 spaces of indent); an unclosed one runs to the end
@@ -122,7 +102,15 @@ class UserMessage(SelectableMessage, Static, can_focus=True):
 
 
 class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
-    BINDINGS = MESSAGE_BINDINGS
+    """A reply: its thinking folded in a Collapsible (collapsed unless opened: t or a click),
+    streaming into it while the think block is open, then the answer as Markdown.
+
+    ``opened``: the prompt ended inside a think block, so the reply starts as thinking.
+    ``think_tokens``: the thinking's length in tokens, shown in the title when known;
+    ``count_tokens(text)`` (the model's tokenizer) gives it exactly when the block closes,
+    else it is summed from the ``tokens`` of the batches that stream into the block."""
+
+    BINDINGS = MESSAGE_BINDINGS + [Binding("t", "toggle_thinking", "Thinking")]
     kind = "reply"
     DEFAULT_CSS = """
     AssistantMessage { height: auto; margin: 1 0 0 0; padding: 0 1; border-left: thick $success 50%; }
@@ -133,21 +121,50 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
     AssistantMessage .thinking { color: $text-muted; }
     """
 
-    def __init__(self, content: str = "", streaming: bool = False, meta: str = "", **kw):
+    def __init__(self, content: str = "", streaming: bool = False, meta: str = "", opened: bool = False,
+                 think_tokens: int | None = None, count_tokens=None, **kw):
         super().__init__(**kw)
         self.content = visible(content)     # model text is untrusted: controls made visible
         self.streaming = streaming
+        self.opened = opened
+        self.think_tokens = think_tokens
+        self.count_tokens = count_tokens
         self._meta = meta
         self._sent = ""                # answer text already written to the Markdown stream
         self._stream = None
         self._collapsible: Collapsible | None = None
         self._meta_label: Label | None = None     # kept: it may not be mounted yet when a fast reply ends
 
+    def split(self) -> tuple[str | None, str, bool]:
+        return split_think(self.content, self.opened)
+
+    @property
+    def thinking(self) -> str | None:
+        return self.split()[0]
+
+    @property
+    def answer(self) -> str:
+        return self.split()[1]
+
+    def thinking_title(self, open_: bool) -> str:
+        n = self.think_tokens
+        count = f" ({n} token{'' if n == 1 else 's'})" if n is not None else ""
+        return ("Thinking…" if open_ else "Thinking") + count
+
+    def _count(self, thinking: str) -> None:
+        if self.count_tokens is not None:
+            try:
+                self.think_tokens = int(self.count_tokens(thinking))
+            except Exception:
+                pass
+
     def compose(self) -> ComposeResult:
-        thinking, answer, _ = split_think(self.content)
+        thinking, answer, open_ = self.split()
         if thinking is not None:
-            self._collapsible = Collapsible(Static(Text(thinking), classes="thinking"), title="Thinking",
-                                            collapsed=True)
+            if self.think_tokens is None and not open_:
+                self._count(thinking)
+            self._collapsible = Collapsible(Static(Text(thinking), classes="thinking"),
+                                            title=self.thinking_title(open_ and self.streaming), collapsed=True)
             yield self._collapsible
         self._sent = answer
         yield Markdown(answer)
@@ -157,31 +174,40 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
     def copy_text(self) -> str:
         """The answer as written (Markdown source), without the thinking; the thinking while
         there is no answer yet."""
-        thinking, answer, _ = split_think(self.content)
+        thinking, answer, _ = self.split()
         return answer if answer.strip() or thinking is None else thinking
+
+    def action_toggle_thinking(self) -> None:
+        if self._collapsible is None:
+            self.app.notify("this reply has no thinking", severity="warning")
+            return
+        self._collapsible.collapsed = not self._collapsible.collapsed
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
-    async def append(self, text: str) -> None:
-        """Add streamed text (a batch of tokens)."""
+    async def append(self, text: str, tokens: int | None = None) -> None:
+        """Add streamed text (a batch of ``tokens`` tokens)."""
         if not text:
             return
+        was_open = self._collapsible is not None and self._collapsible.title.startswith("Thinking…")
         self.content += visible(text)
         if not self.query(Markdown):
             return                       # not composed yet: compose/the next append shows it
-        thinking, answer, open_ = split_think(self.content)
+        thinking, answer, open_ = self.split()
         if thinking is not None:
+            if tokens is not None and (open_ or was_open or self._collapsible is None):
+                self.think_tokens = (self.think_tokens or 0) + tokens
+            if not open_:
+                self._count(thinking)
             if self._collapsible is None:
                 self._collapsible = Collapsible(Static(Text(thinking), classes="thinking"),
-                                                title="Thinking…", collapsed=False)
+                                                title=self.thinking_title(open_), collapsed=True)
                 await self.mount(self._collapsible, before=self.markdown)
             else:
                 self._collapsible.query_one(".thinking", Static).update(Text(thinking))
-            if not open_ and self._collapsible.title == "Thinking…":
-                self._collapsible.title = "Thinking"
-                self._collapsible.collapsed = True
+                self._collapsible.title = self.thinking_title(open_)
         if answer.startswith(self._sent):
             delta = answer[len(self._sent):]
             if delta:
@@ -212,9 +238,10 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
         self._meta = meta
         if not self.query(Markdown):
             return                       # compose renders the whole reply
-        thinking, answer, _ = split_think(self.content)
+        thinking, answer, open_ = self.split()
         if thinking is not None and self._collapsible is not None:
-            self._collapsible.title = "Thinking"
+            self._count(thinking)
+            self._collapsible.title = self.thinking_title(False)
         await self.markdown.update(answer)
         self._sent = answer
         self.set_meta(meta)

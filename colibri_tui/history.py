@@ -72,7 +72,14 @@ class Chat:
     updated: float = 0.0
 
 
-def strip_thinking(text: str) -> str:
+def strip_thinking(text: str, opened: bool = False) -> str:
+    """The reply without its thinking: <think>…</think> blocks, and the thinking before a
+    </think> that the prompt opened (``opened``, or a </think> with no <think> before it)."""
+    close = text.find("</think>")
+    if close >= 0 and (opened or "<think>" not in text[:close]):
+        text = text[close + len("</think>"):]
+    elif opened:
+        return ""                        # stopped while still thinking: no answer
     return THINK_RE.sub("", text).strip()
 
 
@@ -296,7 +303,8 @@ class History:
         if chat and chat.system_prompt.strip():
             out.append({"role": "system", "content": chat.system_prompt})
         for m in self.messages(chat_id):
-            content = strip_thinking(m.content) if m.role == "assistant" else m.content
+            content = (strip_thinking(m.content, bool(m.stats.get("think_open"))) if m.role == "assistant"
+                       else m.content)
             out.append({"role": m.role, "content": content})
         return out
 

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from core.errors import ColiError
 from core.sampling import MAX_SEED, SamplingParams
 
+from ..thinking import THINK_OPEN, ThinkSplitter, prompt_opens_think, split_think
 from .metrics import Metrics
 from .params import (ApiError, bad, boolean, integer, number, refuse_unsupported, stops, string,
                      text_content)
@@ -139,6 +140,15 @@ class ServeState:
             raise bad(f"'{names[0]}' is required", names[0])
         room = max(1, limit - n_prompt)
         return min(default, room) if default is not None else room
+
+    def think_mode(self, ids: list[int]) -> bool | None:
+        """None when the chat template never writes <think> (a reply is all content); else
+        whether this prompt ends inside an open think block (the reply starts as thinking)."""
+        tok = self.engine.tokenizer
+        template = tok.chat_template if tok is not None else None
+        if not isinstance(template, str) or THINK_OPEN not in template:
+            return None
+        return prompt_opens_think(tok.decode(ids[-16:], skip_special_tokens=False))
 
     def check_tools(self, tools) -> None:
         """Tools reach the model only through its chat template: one that never reads ``tools``
@@ -443,8 +453,16 @@ async def chat_completions(request: Request, state: ServeState) -> Response:
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/chat/completions", time.monotonic() - t0)
         p, c, cached = _usage_counts(r["stats"], ids)
-        content, calls = split_reply(r["text"], max_calls) if parse else (r["text"], [])
+        text, reasoning = r["text"], None
+        mode = state.think_mode(ids)
+        if mode is not None:             # the thinking goes apart, as vLLM / DeepSeek return it
+            thinking, answer, _ = split_think(text, mode, final=True, loose=False)
+            if thinking is not None:
+                text, reasoning = answer, thinking
+        content, calls = split_reply(text, max_calls) if parse else (text, [])
         message = {"role": "assistant", "content": content if content or not calls else None}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [_openai_call(x) for x in calls]
         lp = ({"content": [chat_entries(tt, v, i) for i, v in r["logprobs"]], "refusal": None}
@@ -460,14 +478,17 @@ async def chat_completions(request: Request, state: ServeState) -> Response:
 
     def chunk(delta, finish=None, logprobs=None):
         return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-    frames = _chat_frames(job, ids, head, include_usage, chunk, ReplyAssembler(max_calls) if parse else None, tt)
+    mode = state.think_mode(ids)
+    frames = _chat_frames(job, ids, head, include_usage, chunk, ReplyAssembler(max_calls) if parse else None, tt,
+                          ThinkSplitter(mode) if mode is not None else None)
     return _streaming(state, job, "/v1/chat/completions", frames)
 
 
-async def _chat_frames(job, ids, head: dict, include_usage: bool, chunk, assembler, tt):
+async def _chat_frames(job, ids, head: dict, include_usage: bool, chunk, assembler, tt, splitter=None):
     """A chat stream: the role, then content deltas and tool_call deltas (one per call: its id,
     name and whole arguments) as the assembler parts them; logprobs entries ride on the next
-    chunk going out (an empty content delta while text is held back)."""
+    chunk going out (an empty content delta while text is held back). With a ``splitter`` (the
+    template thinks) the thinking goes out first as ``reasoning_content`` deltas."""
     yield _sse(chunk({"role": "assistant", "content": ""}))
     stats, reason, pending, ncalls = None, None, [], 0
 
@@ -490,8 +511,13 @@ async def _chat_frames(job, ids, head: dict, include_usage: bool, chunk, assembl
         if kind == "token":
             if tt is not None and val.logprobs is not None:
                 pending.append(chat_entries(tt, val.logprobs, val.id))
-            parts = (assembler.feed(val.text) if assembler is not None
-                     else [("text", val.text)] if val.text else [])
+            piece = val.text
+            if splitter is not None and piece:
+                thought, piece = splitter.feed(piece)
+                if thought:
+                    yield _sse(chunk({"reasoning_content": thought}, logprobs=lp()))
+            parts = (assembler.feed(piece) if assembler is not None
+                     else [("text", piece)] if piece else [])
             for f in frames_for(parts):
                 yield f
             if pending:
@@ -503,6 +529,13 @@ async def _chat_frames(job, ids, head: dict, include_usage: bool, chunk, assembl
         elif kind == "error":
             yield _sse(_openai_error_body(val[0], val[1]))
             return
+    if splitter is not None:
+        thought, piece = splitter.flush()
+        if thought:
+            yield _sse(chunk({"reasoning_content": thought}))
+        for f in frames_for(assembler.feed(piece) if assembler is not None else
+                            [("text", piece)] if piece else []):
+            yield f
     if assembler is not None:
         for f in frames_for(assembler.flush()):
             yield f

@@ -1,0 +1,83 @@
+"""`coli serve` with a thinking template: the thinking goes into ``message.reasoning_content``
+(and ``delta.reasoning_content`` while streaming), as vLLM and DeepSeek return it; ``content``
+holds the answer alone.
+
+The splitter runs on real token-by-token pieces of a real tokenizer in both forms (the reply
+writes <think>…</think>; the template opened the block). End to end: tests/tools_fixture.py's
+real qwen3_moe container with Qwen3.6's real chat template (tests/templates/qwen3_6.jinja), whose
+generation prompt opens a think block; the model's greedy chain never closes it, so the whole
+reply is thinking: the official openai client gets it as reasoning_content, content empty. A
+template with no <think> (Qwen3's in the tools fixture, without enable_thinking, writes none in
+the prompt) keeps replies as they were: its test file passes unchanged."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from colibri_tui.thinking import ThinkSplitter, split_think
+from tests.test_app_thinking import ANSWER, OPENED, OWN, THINKING, deltas, tok  # noqa: F401
+from tests.test_serve import Served
+from tests.tools_fixture import tool_model
+
+openai = pytest.importorskip("openai")
+HERE = Path(__file__).parent
+ASK = [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+@pytest.mark.parametrize("text,opened", [(OWN, False), (OPENED, True), (ANSWER, False)])
+def test_splitter_on_a_real_token_stream(tok, text, opened):  # noqa: F811
+    sp = ThinkSplitter(opened)
+    thought = answer = ""
+    for piece in deltas(tok, text):
+        t, a = sp.feed(piece)
+        thought, answer = thought + t, answer + a
+        assert "think>" not in thought + answer
+    t, a = sp.flush()
+    thought, answer = thought + t, answer + a
+    want = split_think(text, opened, final=True, loose=False)
+    assert (thought or None, answer) == (want[0] or None, want[1])
+    assert answer == ANSWER and thought == (THINKING if text != ANSWER else "")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve-think-env")
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("data", "config", "logs"):
+            (d / k).mkdir()
+        mp.setenv("COLI_DATA_DIR", str(d / "data"))
+        mp.setenv("COLI_CONFIG_DIR", str(d / "config"))
+        mp.setenv("COLI_LOG_DIR", str(d / "logs"))
+        mp.delenv("COLI_MODEL", raising=False)
+        mp.delenv("COLI_API_KEY", raising=False)
+        yield d
+
+
+@pytest.fixture(scope="module")
+def server(env, tmp_path_factory):
+    from models import open_model
+    c = Path(tool_model(tmp_path_factory.mktemp("thinker")))
+    shutil.copy(HERE / "templates" / "qwen3_6.jinja", c / "chat_template.jinja")
+    e = open_model(c, threads=1)
+    assert e.tokenizer.apply_chat_template(ASK).endswith("<think>\n")
+    s = Served(e, model_id="thinker")
+    yield s
+    s.close()
+    e.container.close()
+
+
+def test_openai_reasoning_content(server):
+    c = server.openai()
+    r = c.chat.completions.create(model="thinker", messages=ASK, max_tokens=6, temperature=0)
+    msg = r.choices[0].message.model_dump()
+    assert msg["reasoning_content"] and not msg["content"]
+    assert "think>" not in msg["reasoning_content"]
+
+    chunks = list(c.chat.completions.create(model="thinker", messages=ASK, max_tokens=6, temperature=0,
+                                            stream=True))
+    streamed = "".join(ch.choices[0].delta.model_dump().get("reasoning_content") or "" for ch in chunks
+                       if ch.choices)
+    assert streamed == msg["reasoning_content"]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
