@@ -197,10 +197,11 @@ class AssistantMessage(SelectableMessage, Vertical, can_focus=True):
             return                       # not composed yet: compose/the next append shows it
         thinking, answer, open_ = self.split()
         if thinking is not None:
-            if tokens is not None and (open_ or was_open or self._collapsible is None):
+            closing = was_open or self._collapsible is None       # this batch may end the block
+            if tokens is not None and (open_ or closing):
                 self.think_tokens = (self.think_tokens or 0) + tokens
-            if not open_:
-                self._count(thinking)
+            if not open_ and closing:
+                self._count(thinking)    # once, when the block closes
             if self._collapsible is None:
                 self._collapsible = Collapsible(Static(Text(thinking), classes="thinking"),
                                                 title=self.thinking_title(open_), collapsed=True)

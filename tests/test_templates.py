@@ -14,7 +14,7 @@ pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 from core.tokenizer import ChatTokenizer  # noqa: E402
-from tests.test_tokenizer import _write_dir  # noqa: E402
+from tests.test_tokenizer import _hf_ids, _write_dir  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(__file__), "templates")
 TEMPLATES = ["qwen3_6", "kimi_k2_thinking", "kimi_k3"]
@@ -103,6 +103,8 @@ def _both(hf, tok, messages, **kwargs):
         return type(e).__name__
     got = tok.apply_chat_template(copy.deepcopy(messages), **kwargs)
     assert got == expected
+    hf_ids = _hf_ids(hf.apply_chat_template(copy.deepcopy(messages), tokenize=True, **kwargs))
+    assert tok.encode_chat(copy.deepcopy(messages), **kwargs) == hf_ids
     return got
 
 
