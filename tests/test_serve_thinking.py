@@ -1,6 +1,7 @@
 """`coli serve` with a thinking template: the thinking goes into ``message.reasoning_content``
 (and ``delta.reasoning_content`` while streaming), as vLLM and DeepSeek return it; ``content``
-holds the answer alone.
+holds the answer alone. Anthropic: a request with ``thinking`` enabled gets a ``thinking`` content
+block first (streamed as thinking_delta events, an empty signature), then the answer's blocks.
 
 The splitter runs on real token-by-token pieces of a real tokenizer in both forms (the reply
 writes <think>…</think>; the template opened the block). End to end: tests/tools_fixture.py's
@@ -81,3 +82,33 @@ def test_openai_reasoning_content(server):
                        if ch.choices)
     assert streamed == msg["reasoning_content"]
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+
+
+def test_anthropic_thinking_blocks(server):
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    think = {"type": "enabled", "budget_tokens": 1024}
+    greedy = {"extra_body": {"temperature": 0}}
+    r = c.messages.create(model="thinker", messages=ASK, max_tokens=6, thinking=think, **greedy)
+    kinds = [b.type for b in r.content]
+    assert kinds[0] == "thinking" and r.content[0].thinking and "think>" not in r.content[0].thinking
+    assert all(b.type != "text" or not b.text for b in r.content[1:])
+
+    with c.messages.stream(model="thinker", messages=ASK, max_tokens=6, thinking=think, **greedy) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == r.content[0].thinking
+
+    # not asked for: the reply as before (no thinking block)
+    plain = c.messages.create(model="thinker", messages=ASK, max_tokens=6, **greedy)
+    assert [b.type for b in plain.content] == ["text"]
+    assert plain.content[0].text == r.content[0].thinking or r.content[0].thinking in plain.content[0].text
+    with pytest.raises(anthropic.BadRequestError):
+        c.messages.create(model="thinker", messages=ASK, max_tokens=6, thinking={"type": "sometimes"})
+
+
+def test_anthropic_thinking_block_sent_back_is_the_turns_reasoning():
+    from colibri_tui.server.app import _anthropic_turn
+    (msg,) = _anthropic_turn("assistant", [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                           {"type": "redacted_thinking", "data": "x"},
+                                           {"type": "text", "text": "Hi"}], "messages[1].content", False)
+    assert msg == {"role": "assistant", "content": "Hi", "reasoning_content": "hmm"}

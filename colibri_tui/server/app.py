@@ -626,12 +626,18 @@ async def completions(request: Request, state: ServeState) -> Response:
 def _anthropic_turn(role: str, content, where: str, tools: bool) -> list[dict]:
     """One Anthropic message as the template's messages: text blocks join; an assistant's
     ``tool_use`` blocks become its ``tool_calls``; a user's ``tool_result`` blocks become
-    "tool" messages (before the user's text, in their order)."""
+    "tool" messages (before the user's text, in their order); an assistant's ``thinking`` block
+    (as this server returned it) becomes its ``reasoning_content``, a ``redacted_thinking`` one is
+    dropped."""
     if isinstance(content, str) or not isinstance(content, list):
         return [{"role": role, "content": text_content(content, where)}]
-    text, calls, results = [], [], []
+    text, calls, results, reasoning = [], [], [], []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("thinking", "redacted_thinking") and role == "assistant":
+            if kind == "thinking" and isinstance(part.get("thinking"), str):
+                reasoning.append(part["thinking"])
+            continue
         if kind not in ("tool_use", "tool_result"):
             text.append(part)
             continue
@@ -655,6 +661,8 @@ def _anthropic_turn(role: str, content, where: str, tools: bool) -> list[dict]:
     joined = text_content(text, where) if text else ""
     if role == "assistant":
         msg = {"role": "assistant", "content": joined}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
@@ -688,10 +696,21 @@ def _tool_use(call: dict) -> dict:
     return {"type": "tool_use", "id": call_id("anthropic"), "name": call["name"], "input": call["arguments"]}
 
 
+def _anthropic_thinking(body: dict) -> bool:
+    """Whether the client asks for thinking blocks (``{"type": "enabled", "budget_tokens": n}``
+    or ``"adaptive"``); ``disabled`` or absent: no."""
+    v = body.get("thinking")
+    if v is None:
+        return False
+    if not isinstance(v, dict) or v.get("type") not in ("enabled", "adaptive", "disabled"):
+        raise bad("'thinking' must be an object with type 'enabled', 'adaptive' or 'disabled'", "thinking")
+    return v["type"] != "disabled"
+
+
 async def messages(request: Request, state: ServeState) -> Response:
     body = await _read_json(request)
     model = state.check_model(body)
-    refuse_unsupported(body, {"thinking": {"type": "disabled"}})
+    wants_thinking = _anthropic_thinking(body)
     tools, parse = anthropic_tools(body)
     state.check_tools(tools)
     choice = body.get("tool_choice")
@@ -702,6 +721,9 @@ async def messages(request: Request, state: ServeState) -> Response:
     stop = stops(body, "stop_sequences")
     ids = await state.tokenize(msgs, tools=tools)
     max_new = state.max_tokens(body, ("max_tokens",), len(ids), required=True)
+    mode = state.think_mode(ids) if wants_thinking else None
+    if wants_thinking and mode is None:
+        raise bad("'thinking' is not supported by this model: its chat template writes no <think>", "thinking")
     job = state.submit(ids, sampling, stop, max_new)
     mid = f"msg_{uuid.uuid4().hex}"
 
@@ -714,9 +736,15 @@ async def messages(request: Request, state: ServeState) -> Response:
         r = await _collect(state, request, job)
         state.metrics.observe("/v1/messages", time.monotonic() - t0)
         p, c, cached = _usage_counts(r["stats"], ids)
-        text, calls = split_reply(r["text"], max_calls) if parse else (r["text"], [])
+        text, thought = r["text"], []
+        if mode is not None:
+            thinking, answer, _ = split_think(text, mode, final=True, loose=False)
+            if thinking is not None:
+                text, thought = answer, [{"type": "thinking", "thinking": thinking, "signature": ""}]
+        text, calls = split_reply(text, max_calls) if parse else (text, [])
         reason = stop_reason(r["reason"], len(calls))
-        content = ([{"type": "text", "text": text}] if text or not calls else []) + [_tool_use(x) for x in calls]
+        content = thought + ([{"type": "text", "text": text}] if text or not calls else []) + \
+            [_tool_use(x) for x in calls]
         return JSONResponse({
             "id": mid, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason,
@@ -729,11 +757,33 @@ async def messages(request: Request, state: ServeState) -> Response:
         yield _event("message_start", {"type": "message_start", "message": {
             "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(ids), "output_tokens": 0}}})
-        yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                             "content_block": {"type": "text", "text": ""}})
+        splitter = ThinkSplitter(mode) if mode is not None else None
+        yield _event("content_block_start", {"type": "content_block_start", "index": 0, "content_block":
+                     {"type": "thinking", "thinking": "", "signature": ""} if splitter else {"type": "text", "text": ""}})
         yield _event("ping", {"type": "ping"})
         stats, reason = None, None
-        at, text_open, ncalls = 0, True, 0       # the block index; whether a text block is open
+        at, text_open, ncalls = 0, splitter is None, 0       # the block index; whether a text block is open
+        thinking_open = splitter is not None
+
+        def end_thinking():
+            nonlocal thinking_open
+            if thinking_open:
+                thinking_open = False
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": at,
+                                                     "delta": {"type": "signature_delta", "signature": ""}})
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": at})
+
+        def thought_and_text(piece, final=False):
+            """The thinking deltas of ``piece``; then what the answer blocks get."""
+            thought, piece = splitter.flush() if final else splitter.feed(piece)
+            if thought and thinking_open:
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": at,
+                                                     "delta": {"type": "thinking_delta", "thinking": thought}})
+            if piece:
+                for f in end_thinking():
+                    yield f
+                for f in blocks(assembler.feed(piece) if assembler is not None else [("text", piece)]):
+                    yield f
 
         def blocks(parts):
             nonlocal at, text_open, ncalls
@@ -758,7 +808,10 @@ async def messages(request: Request, state: ServeState) -> Response:
                     "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
                 yield _event("content_block_stop", {"type": "content_block_stop", "index": at})
         async for kind, val in _items(job):
-            if kind == "token" and val.text:
+            if kind == "token" and val.text and splitter is not None:
+                for f in thought_and_text(val.text):
+                    yield f
+            elif kind == "token" and val.text:
                 for f in blocks(assembler.feed(val.text) if assembler is not None else [("text", val.text)]):
                     yield f
             elif kind == "stats":
@@ -768,6 +821,11 @@ async def messages(request: Request, state: ServeState) -> Response:
             elif kind == "error":
                 yield _event("error", _anthropic_error_body(val[0], val[1]))
                 return
+        if splitter is not None:
+            for f in thought_and_text("", final=True):
+                yield f
+            for f in end_thinking():
+                yield f
         if assembler is not None:
             for f in blocks(assembler.flush()):
                 yield f
