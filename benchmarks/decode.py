@@ -631,8 +631,8 @@ def bench(a, path: Path, tmp: Path) -> int:
     print(f"model: {geo['layers']} layers x {geo['experts_per_layer']} experts of "
           f"{geo['expert_bytes'] / 1e6:.2f} MB (top-{geo['top_k']}), dense {geo['dense_bytes'] / 1e9:.2f} GB "
           f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched[n0] / 1e9:.3f} GB "
-          f"= weights {weights / 1e9:.3f} + {a.kv_cache} KV cache {kv[n0] / 1e9:.3f} "
-          f"(~{mean_context(a, n0):.0f} positions)")
+          f"= weights {weights / 1e9:.3f} + {a.kv_cache} cache {kv[n0] / 1e9:.3f} "
+          f"(~{mean_context(a, n0):.0f} positions" + (", fixed state read + written included" if state_rw else "") + ")")
     if contexts != [0]:
         print_breakdown(path, spec, geo, emb, weights, bpp, a, contexts, kv)
     if a.layers:
