@@ -167,6 +167,21 @@ def dirs(tmp_path, monkeypatch):
     return tmp_path
 
 
+def server_env(tmp_path_factory, name: str):
+    """For a module-scoped fixture of a server's tests: the app's data, config and log folders
+    in a fresh temporary folder, no model or API key from the environment (yields the folder)."""
+    d = tmp_path_factory.mktemp(name)
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("data", "config", "logs"):
+            (d / k).mkdir()
+        mp.setenv("COLI_DATA_DIR", str(d / "data"))
+        mp.setenv("COLI_CONFIG_DIR", str(d / "config"))
+        mp.setenv("COLI_LOG_DIR", str(d / "logs"))
+        mp.delenv("COLI_MODEL", raising=False)
+        mp.delenv("COLI_API_KEY", raising=False)
+        yield d
+
+
 @pytest.fixture
 def kernel_settings():
     """Restore the compiled kernels' global settings (threads, SIMD variant, int8 activations)

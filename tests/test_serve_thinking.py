@@ -44,16 +44,8 @@ def test_splitter_on_a_real_token_stream(tok, text, opened):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve-think-env")
-    with pytest.MonkeyPatch.context() as mp:
-        for k in ("data", "config", "logs"):
-            (d / k).mkdir()
-        mp.setenv("COLI_DATA_DIR", str(d / "data"))
-        mp.setenv("COLI_CONFIG_DIR", str(d / "config"))
-        mp.setenv("COLI_LOG_DIR", str(d / "logs"))
-        mp.delenv("COLI_MODEL", raising=False)
-        mp.delenv("COLI_API_KEY", raising=False)
-        yield d
+    from tests.conftest import server_env
+    yield from server_env(tmp_path_factory, "serve-think-env")
 
 
 @pytest.fixture(scope="module")
