@@ -315,13 +315,14 @@ def window_start(pos: int, window: int | None) -> int:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.float32,
-              pos: np.ndarray, window: int | None) -> np.ndarray:
+              pos: np.ndarray, window: int | None, allowed: np.ndarray | None = None) -> np.ndarray:
     """Causal attention (optionally a sliding window) of q [T, heads, D] at positions pos against
     the cache keys / values [kv_heads, S, D]; returns [T, heads * D]. Query head h reads kv head
-    h // (heads // kv_heads)."""
+    h // (heads // kv_heads). ``allowed`` [T, S] (bool): the positions each query row sees
+    instead of the causal / window rule (a sparse-attention selection; numpy path)."""
     T, H, D = q.shape
     KV = keys.shape[0]
-    if T == 1 and _compiled is not None:
+    if T == 1 and _compiled is not None and allowed is None:
         lo = window_start(int(pos[0]), window)
         q1 = np.ascontiguousarray(q[0], dtype=np.float32)
         if keys.dtype == np.float16:       # an opt-in float16 cache: widened in the kernel
@@ -332,15 +333,17 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
         keys, values = keys.astype(np.float32), values.astype(np.float32)
     if T > ATTENTION_QUERY_BLOCK:     # bounded scores: [kv, G, block, S] at a time
         B = ATTENTION_QUERY_BLOCK
-        return np.concatenate([attention(q[t: t + B], keys, values, scale, pos[t: t + B], window)
+        return np.concatenate([attention(q[t: t + B], keys, values, scale, pos[t: t + B], window,
+                                         None if allowed is None else allowed[t: t + B])
                                for t in range(0, T, B)])
     qg = q.reshape(T, KV, H // KV, D).transpose(1, 2, 0, 3)                             # [kv, G, T, D]
     scores = np.matmul(qg, keys.transpose(0, 2, 1)[:, None])                            # [kv, G, T, S]
     scores *= scale
-    kpos = np.arange(keys.shape[1])
-    allowed = kpos[None, :] <= pos[:, None]
-    if window is not None:
-        allowed &= kpos[None, :] > pos[:, None] - window
+    if allowed is None:
+        kpos = np.arange(keys.shape[1])
+        allowed = kpos[None, :] <= pos[:, None]
+        if window is not None:
+            allowed &= kpos[None, :] > pos[:, None] - window
     # softmax in place (the values of softmax(np.where(allowed, scores, -inf)), without its four
     # [kv, G, T, S] temporaries: a 512-token prompt spent ~25 ms per layer in them)
     np.copyto(scores, -np.inf, where=~allowed[None, None])

@@ -238,21 +238,10 @@ class MLAAttention:
         return linear(out.reshape(T, s.heads * s.v_head_dim), self.o, self.o_bias)
 
     def _attend(self, q: np.ndarray, rows: np.ndarray, pos: np.ndarray, allowed) -> np.ndarray:
-        """q [T, heads, D] over the latent rows [1, S, D] (keys and values alike): [T, heads, D]."""
+        """q [T, heads, D] over the latent rows [1, S, D] (keys and values alike): [T, heads, D];
+        allowed: DSA's selection [T, S], or None (causal)."""
         T, H, D = q.shape
-        if allowed is None:
-            return kernels.attention(q, rows, rows, self.scale, pos, None).reshape(T, H, D)
-        keys = rows[0].astype(np.float32, copy=False)                                     # [S, D]
-        out = np.empty((T, H, D), np.float32)
-        B = kernels.ATTENTION_QUERY_BLOCK
-        for t in range(0, T, B):
-            scores = np.matmul(q[t: t + B], keys.T) * self.scale                          # [b, heads, S]
-            np.copyto(scores, -np.inf, where=~allowed[t: t + B, None, :])
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            out[t: t + B] = np.matmul(scores, keys)
-        return out
+        return kernels.attention(q, rows, rows, self.scale, pos, None, allowed).reshape(T, H, D)
 
     def _select(self, i, h, q_resid, cos, sin, cache, pos):
         """The indexer's choice for each query row: allowed [T, S] (causal and among the top-k),
