@@ -251,9 +251,6 @@ class Engine:
         """True while generate() runs: a block may stop a long pass early (check_cancel)."""
         return self._cancel_checks
 
-    def check_cancel(self) -> None:
-        self._check_cancel()
-
     def _predict(self, i: int, x: np.ndarray) -> None:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
         after layer i's attention and ask the store to start reading those experts."""
@@ -331,7 +328,7 @@ class Engine:
             t2 = time.perf_counter()
             c["attention_s"] += t1 - t0
             c["experts_s"] += t2 - t1
-            self._check_cancel()
+            self.check_cancel()
         cache.length += len(ids)
         t0 = time.perf_counter()
         x = rms_norm(x if all_logits else x[-1:], self.final_norm, s.rms_norm_eps)
@@ -393,7 +390,9 @@ class Engine:
         generation running now: each has its own flag (generate(cancel=...))."""
         self._cancel.set()
 
-    def _check_cancel(self) -> None:
+    def check_cancel(self) -> None:
+        """Raise _Cancelled inside a generation whose cancel flag is set (blocks call it between
+        pieces of a long pass)."""
         if self._cancel_checks and self._cancel.is_set():
             raise _Cancelled()
 
