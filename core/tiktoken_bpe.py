@@ -26,7 +26,8 @@ the streaming detokenizer and the server work unchanged:
 
 Built at every open rather than written out as a ``tokenizer.json``: the checkpoint's own files stay
 the only source (nothing derived to go stale, nothing that other tools would read in place of
-Moonshot's class), at a cost of about a second for Kimi's 163,840 tokens (benchmarks/README.md).
+Moonshot's class), at a cost of ~2.3 s for 163,840 tokens on a busy 2-core VM, where loading a
+written tokenizer.json takes ~1 s (benchmarks/tiktoken_load.py, benchmarks/README.md).
 
 Not reproduced: ``tokenization_kimi.py`` cuts texts into pieces of at most 400,000 characters and
 runs of at most 25,000 whitespace or non-whitespace characters before encoding (to bound tiktoken's

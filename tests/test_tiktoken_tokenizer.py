@@ -431,3 +431,34 @@ def test_download_and_convert_carry_kimis_tokenizer_files():
     for name in ("tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"):
         assert wanted(name) and name in COPIED_FILES
     assert not wanted("modeling_kimi.py") and not wanted("sub/tiktoken.model")
+
+
+def test_coli_serve_answers_with_the_kimi_tokenizer(tmp_path, tmp_path_factory):
+    """The OpenAI client against `coli serve` on a Kimi-K2-style model: the reply is the engine's
+    greedy text, and the logprobs' bytes are the tokens' bytes (the byte-level table applies)."""
+    pytest.importorskip("openai")
+    from core.sampling import SamplingParams
+    from tests.conftest import open_engine, server_env
+    from tests.test_serve import Served
+    env = server_env(tmp_path_factory, "kimi-serve")
+    next(env)
+    try:
+        engine = open_engine(_kimi_model(tmp_path, "deepseekv3-a", "kimi_k2", "kimi_k2_thinking.jinja"))
+        chat = [{"role": "user", "content": "Ciao! 你好 🙂"}]
+        events = list(engine.generate(chat, SamplingParams(greedy=True), max_new_tokens=8))
+        final = [e for e in events if type(e).__name__ == "Stats"][-1].extra
+        want = final["text"]
+        s = Served(engine)
+        try:
+            r = s.openai().chat.completions.create(model="c", messages=chat, max_tokens=8, temperature=0,
+                                                   logprobs=True)
+        finally:
+            s.close()
+        msg = r.choices[0].message
+        text = (getattr(msg, "reasoning_content", None) or "") + (msg.content or "")
+        assert text == want and r.usage.prompt_tokens == len(engine.prompt_ids(chat))
+        got = b"".join(bytes(t.bytes) for t in r.choices[0].logprobs.content)
+        # the special tokens a random model emits are in the logprobs (their text), not the reply
+        assert got.decode("utf-8", errors="replace") == engine.tokenizer.decode(final["ids"], skip_special_tokens=False)
+    finally:
+        env.close()
