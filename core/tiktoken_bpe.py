@@ -200,7 +200,7 @@ def special_slots(num_base: int, added_tokens_decoder: Any, reserved: int, where
 
 def bpe_vocab_merges(ranks: Mapping[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """tokenizers' BPE vocab and merges equivalent to tiktoken's ranks (see the module docstring)."""
-    table = {b: c for b, c in bytes_to_unicode().items()}
+    table = bytes_to_unicode()          # str.translate: byte value -> character
     text = {t: t.decode("latin-1").translate(table) for t in ranks}
     get = ranks.get
     merges = []

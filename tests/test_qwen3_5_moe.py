@@ -240,8 +240,8 @@ def test_decode_equals_prefill_bit_for_bit_with_one_row_products(name, container
     def attention_per_row(q, keys, values, scale, pos, window, allowed=None):
         if q.shape[0] == 1 or allowed is not None:
             return attention(q, keys, values, scale, pos, window, allowed)
-        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale, pos[t: t + 1], window)
-                               for t, p in enumerate(pos.tolist())])
+        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale, pos[t: t + 1],
+                                         window) for t, p in enumerate(pos.tolist())])
 
     def moe_per_row(self, i, h, pos, ctx, routed=None):
         if h.shape[0] == 1:

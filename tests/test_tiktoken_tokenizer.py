@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 tiktoken = pytest.importorskip("tiktoken")
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from core.errors import ColiError  # noqa: E402
-from core.tiktoken_bpe import (KIMI_PATTERN, bytes_to_unicode, read_module_settings, read_ranks,  # noqa: E402
-                               special_slots, tokenizer_from_ranks)
+from core.tiktoken_bpe import KIMI_PATTERN, bytes_to_unicode, read_module_settings, special_slots  # noqa: E402
 from core.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
 from tests.conftest import COMMITTED, ROOT, one_error_line  # noqa: E402
 
@@ -340,7 +339,8 @@ def test_without_the_module_moonshots_class_means_kimis_pattern(tmp_path, case):
     (lambda d: (d / "tokenization_kimi.py").write_text("pat_str = compute()\n"),
      r"without its split pattern \(.*tokenization_kimi.py assigns no literal pat_str"),
     (lambda d: (d / "tokenization_kimi.py").write_text("pat_str = (\n"), r"tokenization_kimi.py: cannot read its pat_str"),
-    (lambda d: (d / "tokenization_kimi.py").write_text("pat_str = '(unclosed'\n"), r"the tokenizer files do not load"),
+    (lambda d: (d / "tokenization_kimi.py").write_text("pat_str = '(unclosed'\n"),
+     r"the tokenizer files do not load"),
 ])
 def test_bad_files_are_one_clear_error(tmp_path, damage, message):
     d = kimi_dir(tmp_path / "k", _demo_ranks())
