@@ -13,11 +13,14 @@ flips every round) because this VM drifts 10-40 % within minutes:
             allowed in RAM, prefetch off, a warm-up generation, then the timed one (greedy only:
             decode.py has no sampler option; with --sampling default the row is its greedy figure)
   generate  Engine.generate in-process, the engine opened exactly as `coli run` opens it
-            (colibri_tui.cli._open with `coli run`'s parsed options), one generation, cold
+            (colibri_tui.cli._open with `coli run`'s parsed options, then warm_experts() where
+            the checkout has it), one generation; it also splits a decode token's time into
+            forward passes, the sampler and the rest (events, stats, detokenizing)
   coli-run  `python -m colibri_tui run --model DIR --ids ... --json` as a subprocess, one generation
   app       the chat's generation worker (colibri_tui.runner.run_generation, the code the app
             runs in its "coli-generate" thread, posting batches every 50 ms) on an engine opened
-            with the app's options (open_model with the settings' defaults), one generation, cold
+            with the app's options (open_model with the settings' defaults, then warm_experts()
+            where the checkout has it, as the app's load thread), one generation
 
 What tok/s means, the same for all four: Stats.decode_tok_s of the generation's final Stats =
 (new tokens - 1) / (seconds from the end of the prefill to the final Stats). The first new token
@@ -45,8 +48,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# a child times the checkout it is told to (--code), whatever checkout this file is in
+CODE = Path(os.environ.get("USER_PATH_CODE") or ROOT)
+if str(CODE) not in sys.path:
+    sys.path.insert(0, str(CODE))
 
 PROG = "user_path.py"
 DEFAULT_MODEL = Path("/work/bench_models/olmoe-4L")
@@ -113,19 +118,52 @@ def child_generate(a, ids: list[int], sampling: str) -> dict:
     from core.events import Stats, Token
     from core.sampling import SamplingParams
 
+    import core.engine
+
     args = build_parser().parse_args(run_args(a, ids, sampling))
     engine = _open(args)
+    if hasattr(engine, "warm_experts"):        # as `coli run` does (where the checkout has it)
+        engine.warm_experts()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, greedy=args.greedy)
-    lis, final = Listener(), None
+    # where a token's time goes: forward passes, the sampler, the rest (events, stats, text)
+    spent = {"forward": 0.0, "sample": 0.0}
+    forward, make_sampler = engine.forward, core.engine.Sampler
+
+    def timed_forward(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return forward(*args, **kw)
+        finally:
+            spent["forward"] += time.perf_counter() - t0
+
+    def timed_sampler(p):
+        sample = make_sampler(p)
+
+        def call(logits):
+            t0 = time.perf_counter()
+            try:
+                return sample(logits)
+            finally:
+                spent["sample"] += time.perf_counter() - t0
+        return call
+
+    engine.forward, core.engine.Sampler = timed_forward, timed_sampler
+    lis, final, t_first = Listener(), None, None
     for ev in engine.generate(ids, params, max_new_tokens=args.max_new_tokens):
         if isinstance(ev, Token) and ev.id >= 0:
             lis.token()
+            if t_first is None:          # decode starts: the prefill's forward is not counted
+                t_first, spent["forward"], spent["sample"] = time.perf_counter(), 0.0, 0.0
         elif isinstance(ev, Stats) and ev.extra.get("final"):
             final = ev.as_dict()
+    n = max(1, final["new_tokens"] - 1)
+    total = lis.last - t_first if t_first is not None else 0.0
     return {"tok_s": final["decode_tok_s"], "wall_tok_s": lis.tok_s(), "ids": final["ids"],
             "threads": final["threads"], "lm_head_s": final["lm_head_s"],
-            "new_tokens": final["new_tokens"]}
+            "new_tokens": final["new_tokens"], "misses": final.get("misses"),
+            "forward_ms": 1e3 * spent["forward"] / n, "sample_ms": 1e3 * spent["sample"] / n,
+            "rest_ms": 1e3 * (total - spent["forward"] - spent["sample"]) / n}
 
 
 def child_app(a, ids: list[int], sampling: str) -> dict:
@@ -137,6 +175,8 @@ def child_app(a, ids: list[int], sampling: str) -> dict:
     s = settings_mod.Settings()          # the app's defaults (this run's own config dir is empty)
     engine = open_model(a.model, threads=a.threads or s.threads, ram_gb=s.ram_gb, cap=None,
                         policy=s.policy, prefetch=s.prefetch, o_direct=s.o_direct, kv_cache=s.kv_cache)
+    if hasattr(engine, "warm_experts"):        # as the app's load thread does (where it has it)
+        engine.warm_experts()
     sp = s.sampling
     params = SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=a.seed,
                             greedy=sampling == "greedy")
@@ -179,18 +219,22 @@ def _last_json(r: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1])
 
 
-def measure_one(a, path: str, ids: list[int], sampling: str, env: dict) -> dict:
-    if path == "bench":
-        from benchmarks.decode import build_parser as decode_parser, run_child
-        d = decode_parser().parse_args([])
-        d.dir, d.tokens, d.prompt_len, d.prefill, d.seed = a.model, a.tokens, a.prompt_len, 0, a.seed
-        r = run_child(d, a.threads or "default")
+def measure_one(a, path: str, ids: list[int], sampling: str, env: dict, code: Path) -> dict:
+    env = dict(env, USER_PATH_CODE=str(code), PYTHONPATH=str(code) + os.pathsep + env.get("PYTHONPATH", ""))
+    if path == "bench":        # decode.py's child as benchmarks/llamacpp.py runs it (run_child)
+        t = a.threads or "default"
+        cmd = [sys.executable, str(code / "benchmarks" / "decode.py"), "--child", "--dir", str(a.model),
+               "--tokens", str(a.tokens), "--prompt-len", str(a.prompt_len), "--seed", str(a.seed),
+               "--threads", str(t), "--prefill", "0", "--kv-cache", "float32"]
+        if a.threads:
+            env["OPENBLAS_NUM_THREADS"] = str(a.threads)
+        r = _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=code))
         return {"tok_s": r["tok_s"], "threads": r.get("threads_used"),
                 "lm_head_s": r.get("lm_head_s", 0.0) * r.get("steps", 0)} if "error" not in r else r
     if path == "coli-run":
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "colibri_tui"] + run_args(a, ids, sampling),
-                           capture_output=True, text=True, env=env)
+                           capture_output=True, text=True, env=env, cwd=code)
         res = _last_json(r)
         if "error" in res:
             return res
@@ -201,7 +245,7 @@ def measure_one(a, path: str, ids: list[int], sampling: str, env: dict) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", path, "--model", str(a.model),
            "--ids", ",".join(map(str, ids)), "--tokens", str(a.tokens), "--seed", str(a.seed),
            "--threads", str(a.threads), "--sampling-one", sampling]
-    return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env))
+    return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=code))
 
 
 def isolated_env(tmp: Path) -> dict:
@@ -209,7 +253,6 @@ def isolated_env(tmp: Path) -> dict:
     env = dict(os.environ)
     for k in ("COLI_CONFIG_DIR", "COLI_DATA_DIR", "COLI_LOG_DIR"):
         env[k] = str(tmp / k.lower())
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -224,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated: {', '.join(PATHS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    ap.add_argument("--code", action="append", default=[], metavar="LABEL=DIR",
+                    help="time the checkout at DIR too (repeatable; e.g. before=/tmp/wt_before, with "
+                         "its compiled extension copied in); default: this checkout only")
     ap.add_argument("--child", choices=("generate", "app"), help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--sampling-one", choices=SAMPLINGS, help=argparse.SUPPRESS)
@@ -236,38 +282,49 @@ def main(argv=None) -> int:
         raise fail(f"--sampling from {SAMPLINGS}, --paths from {PATHS}")
     if a.tokens < 2 or a.rounds < 1 or a.prompt_len < 1 or a.threads < 0:
         raise fail("--tokens >= 2, --rounds >= 1, --prompt-len >= 1, --threads >= 0")
+    codes = {"this": ROOT}
+    for item in a.code:
+        label, sep, d = item.partition("=")
+        if not sep or not (Path(d) / "core" / "engine.py").is_file():
+            raise fail(f"--code {item!r}: want LABEL=DIR, DIR a checkout of this repository")
+        codes[label] = Path(d).resolve()
+    if a.code:
+        codes = {k: v for k, v in codes.items() if k != "this"} | {"this": ROOT}
     a.model = ensure_model(a.model)
     ids = prompt_ids(a.model, a.prompt_len, a.seed)
     from benchmarks.common import format_summary, machine_summary
     print(format_summary(machine_summary()))
     results: dict = {}
-    jobs = [(p, s) for s in samplings for p in paths if not (p == "bench" and s != samplings[0])]
+    jobs = [(c, p, s) for s in samplings for p in paths for c in codes
+            if not (p == "bench" and s != samplings[0])]
     with tempfile.TemporaryDirectory(prefix="user_path-") as tmp:
         env = isolated_env(Path(tmp))
         for rnd in range(a.rounds):
-            for p, s in (jobs if rnd % 2 == 0 else jobs[::-1]):
-                r = measure_one(a, p, ids, s, env)
-                log(f"round {rnd + 1} {p:9s} {s:8s}: " + json.dumps({k: v for k, v in r.items() if k != "ids"}))
+            for c, p, s in (jobs if rnd % 2 == 0 else jobs[::-1]):
+                r = measure_one(a, p, ids, s, env, codes[c])
+                log(f"round {rnd + 1} {c:6s} {p:9s} {s:8s}: "
+                    + json.dumps({k: v for k, v in r.items() if k != "ids"}))
                 if "error" in r:
-                    raise fail(f"{p} ({s}): {r['error']}")
-                results.setdefault((p, s), []).append(r)
+                    raise fail(f"{c} {p} ({s}): {r['error']}")
+                results.setdefault((c, p, s), []).append(r)
     report(a, results, samplings)
     if a.json:
-        rows = [{"path": p, "sampling": s, "runs": rs} for (p, s), rs in results.items()]
+        rows = [{"code": str(codes[c]), "path": p, "sampling": s, "runs": rs}
+                for (c, p, s), rs in results.items()]
         a.json.write_text(json.dumps(rows, indent=1))
     return 0
 
 
 def report(a, results: dict, samplings: list[str]) -> None:
-    bench = results.get(("bench", samplings[0]))
-    ref = statistics.median(r["tok_s"] for r in bench) if bench else None
     print(f"\nmodel {a.model}, {a.tokens} new tokens after a {a.prompt_len}-id prompt, threads "
           f"{a.threads or 'default'}, {a.rounds} interleaved rounds; tok/s = (new tokens - 1) / "
           f"(end of prefill -> final Stats); wall = the same tokens between the listener's first "
-          f"and last Token event")
-    print(f"{'path':9s} {'sampling':8s} {'tok/s median':>12} {'wall median':>11} {'vs bench':>8}  "
-          f"{'lm_head ms/tok':>14}  each round")
-    for (p, s), rs in results.items():
+          f"and last Token event; vs bench = median / the same checkout's bench median")
+    print(f"{'code':6s} {'path':9s} {'sampling':8s} {'tok/s median':>12} {'wall median':>11} "
+          f"{'vs bench':>8} {'lm_head ms/tok':>14}  each round")
+    for (c, p, s), rs in sorted(results.items(), key=lambda kv: (kv[0][2], kv[0][0], PATHS.index(kv[0][1]))):
+        bench = results.get((c, "bench", samplings[0]))
+        ref = statistics.median(r["tok_s"] for r in bench) if bench else None
         med = statistics.median(r["tok_s"] for r in rs)
         walls = [r["wall_tok_s"] for r in rs if r.get("wall_tok_s")]
         wall = f"{statistics.median(walls):11.1f}" if walls else f"{'-':>11}"
@@ -275,15 +332,21 @@ def report(a, results: dict, samplings: list[str]) -> None:
                  if r.get("lm_head_s")]
         head = f"{statistics.median(heads):14.2f}" if heads else f"{'-':>14}"
         vs = f"{med / ref:8.3f}" if ref else f"{'-':>8}"
-        print(f"{p:9s} {(s if p != 'bench' else 'greedy'):8s} {med:12.1f} {wall} {vs}  {head}  "
-              + " ".join(f"{r['tok_s']:.1f}" for r in rs))
+        split = ""
+        if all("forward_ms" in r for r in rs):
+            split = "  ms/token: forward {:.2f} sample {:.2f} rest {:.2f}, decode misses {}".format(
+                *(statistics.median(r[k] for r in rs) for k in ("forward_ms", "sample_ms", "rest_ms")),
+                statistics.median(r.get("misses") or 0 for r in rs))
+        print(f"{c:6s} {p:9s} {(s if p != 'bench' else 'greedy'):8s} {med:12.1f} {wall} {vs} {head}  "
+              + " ".join(f"{r['tok_s']:.1f}" for r in rs) + split)
     same = {}
-    for (p, s), rs in results.items():
+    for (c, p, s), rs in results.items():
         for r in rs:
             if r.get("ids") is not None:
                 same.setdefault(s, set()).add(tuple(r["ids"]))
     for s, seqs in same.items():
-        print(f"{s}: {'the same tokens on every path and round' if len(seqs) == 1 else f'{len(seqs)} different token sequences!'}")
+        print(f"{s}: " + ("the same tokens on every path, checkout and round" if len(seqs) == 1
+                          else f"{len(seqs)} different token sequences!"))
 
 
 if __name__ == "__main__":
