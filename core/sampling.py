@@ -58,13 +58,24 @@ class Sampler:
         self.params = params
         import numpy as np          # here, not at import: the UI validates settings through this module
         self.rng = np.random.default_rng(params.seed)
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def _buffer(self, name: str, n: int) -> np.ndarray:
+        """A float64 scratch array of n, kept between tokens: a fresh 1.2 MB array a step (a
+        151,851-token vocabulary) cost more than the arithmetic on it (0.55 of 1.3 ms)."""
+        import numpy as np
+        b = self._buffers.get(name)
+        if b is None or b.size != n:
+            b = self._buffers[name] = np.empty(n, np.float64)
+        return b
 
     def __call__(self, logits: np.ndarray) -> int:
         import numpy as np
         p = self.params
         if p.is_greedy:
             return int(np.argmax(logits))
-        z = np.divide(logits, p.temperature, dtype=np.float64).reshape(-1)   # == astype(f64) / T
+        x = np.asarray(logits).reshape(-1)
+        z = np.divide(x, p.temperature, out=self._buffer("z", x.size), dtype=np.float64)  # astype / T
         keep = None                      # the ids that can be drawn (None: every id)
         if p.top_k and p.top_k < z.size:
             kth = np.partition(z, -p.top_k)[-p.top_k]
@@ -73,7 +84,8 @@ class Sampler:
         if keep is None:
             probs = np.exp(np.subtract(z, m, out=z), out=z)
         else:
-            probs = np.zeros_like(z)             # the full array: the same pairwise sum below
+            probs = self._buffer("p", z.size)    # the full array: the same pairwise sum below
+            probs.fill(0.0)
             probs[keep] = np.exp(z[keep] - m)
         total = probs.sum()
         if not (math.isfinite(total) and total > 0):     # NaN / inf logits
@@ -88,7 +100,7 @@ class Sampler:
         # numpy's choice over the ids that have probability: a zero step of the cdf is never the
         # first to pass the draw, and adding 0.0 is exact, so the cumulative sums at the kept ids
         # are the full array's
-        cdf = (probs if keep is None else probs[keep]).cumsum()
+        cdf = np.cumsum(probs, out=self._buffer("cdf", z.size)) if keep is None else probs[keep].cumsum()
         cdf /= cdf[-1]
         i = int(cdf.searchsorted(self.rng.random(), side="right"))
         return i if keep is None else int(keep[i])
