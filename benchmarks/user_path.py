@@ -21,6 +21,11 @@ flips every round) because this VM drifts 10-40 % within minutes:
             runs in its "coli-generate" thread, posting batches every 50 ms) on an engine opened
             with the app's options (open_model with the settings' defaults, then warm_experts()
             where the checkout has it, as the app's load thread), one generation
+  app-ui    the real app, headless (Textual's run_test, 120x40): it opens the model (the container
+            with the demo model's tokenizer beside it: the app sends text), a prompt is typed
+            and sent, the reply is awaited; the UI thread paints every batch meanwhile. Its
+            prompt is the chat template's ids of one sentence, not the others' ids, so its
+            tokens differ (the same count; the speed of a short context does not depend on them)
 
 What tok/s means, the same for all four: Stats.decode_tok_s of the generation's final Stats =
 (new tokens - 1) / (seconds from the end of the prefill to the final Stats). The first new token
@@ -55,7 +60,7 @@ if str(CODE) not in sys.path:
 
 PROG = "user_path.py"
 DEFAULT_MODEL = Path("/work/bench_models/olmoe-4L")
-PATHS = ("bench", "generate", "coli-run", "app")
+PATHS = ("bench", "generate", "coli-run", "app", "app-ui")
 SAMPLINGS = ("greedy", "default")
 
 
@@ -202,13 +207,75 @@ def child_app(a, ids: list[int], sampling: str) -> dict:
     st = out["stats"] or {}
     return {"tok_s": st.get("decode_tok_s", 0.0), "wall_tok_s": lis.tok_s(), "batches": len(batches),
             "threads": st.get("threads"), "lm_head_s": st.get("lm_head_s"),
-            "new_tokens": st.get("new_tokens")}
+            "new_tokens": st.get("new_tokens"), "attention_s": st.get("attention_s"),
+            "experts_s": st.get("experts_s")}
+
+
+def app_model(model: Path, where: Path) -> Path:
+    """The container beside the demo model's tokenizer (links to its files): the app sends text,
+    and the random container has no tokenizer. Ids past the tokenizer's vocabulary decode to ""."""
+    demo = CODE / "models" / "demo" / "qwen3-moe-demo"
+    d = where / "model-with-tokenizer"
+    if not d.is_dir():
+        d.mkdir(parents=True)
+        for f in model.iterdir():
+            if f.is_file() and not f.name.startswith("."):
+                (d / f.name).symlink_to(f.resolve())
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (demo / name).is_file():
+                (d / name).write_bytes((demo / name).read_bytes())
+    return d
+
+
+def child_app_ui(a, ids: list[int], sampling: str) -> dict:
+    """The real app, headless (Textual's run_test): open the model, type a prompt, Enter, wait
+    for the reply; its worker thread, BatchReady messages and the UI applying them all run."""
+    import asyncio
+
+    from colibri_tui.app import ColiApp
+    from colibri_tui.settings import Sampling, Settings
+
+    model = app_model(a.model, Path(os.environ["COLI_DATA_DIR"]))
+    s = Settings(sampling=Sampling(temperature=0.0 if sampling == "greedy" else 0.7, seed=a.seed,
+                                   max_new_tokens=a.tokens))
+    opts = {"threads": a.threads} if a.threads else {}
+    out = {}
+
+    async def run():
+        app = ColiApp(model_path=model, settings=s, engine_options=opts,
+                      history_path=Path(os.environ["COLI_DATA_DIR"]) / "history.db")
+        batches = []
+        async with app.run_test(size=(120, 40)) as pilot:
+            t0 = time.monotonic()
+            while app.engine is None and time.monotonic() - t0 < 300:
+                await pilot.pause(0.05)
+            orig = app._apply_batch
+
+            async def spy(gen, batch):
+                batches.append(batch)
+                await orig(gen, batch)
+            app._apply_batch = spy
+            app.prompt_input.focus()
+            app.prompt_input.text = "Tell me about hummingbirds."
+            await pilot.press("enter")
+            while not (batches and batches[-1]["final"]) and time.monotonic() - t0 < 600:
+                await pilot.pause(0.05)
+        st = batches[-1]["stats"] if batches else None
+        out.update(st or {}, batches=len(batches), error=batches[-1]["error"] if batches else "no reply")
+
+    asyncio.run(run())
+    if out.get("error"):
+        return {"error": out["error"]}
+    return {"tok_s": out.get("decode_tok_s", 0.0), "batches": out["batches"], "threads": out.get("threads"),
+            "lm_head_s": out.get("lm_head_s"), "new_tokens": out.get("new_tokens"),
+            "misses": out.get("misses"), "attention_s": out.get("attention_s"),
+            "experts_s": out.get("experts_s")}
 
 
 def child(a) -> None:
     ids = [int(v) for v in a.ids.split(",")]
-    res = (child_generate if a.child == "generate" else child_app)(a, ids, a.sampling_one)
-    print(json.dumps(res))
+    run = {"generate": child_generate, "app": child_app, "app-ui": child_app_ui}[a.child]
+    print(json.dumps(run(a, ids, a.sampling_one)))
 
 
 # --- the parent ---------------------------------------------------------------------------------
@@ -270,7 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--code", action="append", default=[], metavar="LABEL=DIR",
                     help="time the checkout at DIR too (repeatable; e.g. before=/tmp/wt_before, with "
                          "its compiled extension copied in); default: this checkout only")
-    ap.add_argument("--child", choices=("generate", "app"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("generate", "app", "app-ui"), help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--sampling-one", choices=SAMPLINGS, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
