@@ -257,9 +257,11 @@ def child_app_ui(a, ids: list[int], sampling: str) -> dict:
             app._apply_batch = spy
             app.prompt_input.focus()
             app.prompt_input.text = "Tell me about hummingbirds."
+            cpu0, wall0 = time.thread_time(), time.monotonic()     # this thread is the UI's
             await pilot.press("enter")
             while not (batches and batches[-1]["final"]) and time.monotonic() - t0 < 600:
                 await pilot.pause(0.05)
+            out["ui_cpu_s"], out["reply_s"] = time.thread_time() - cpu0, time.monotonic() - wall0
         st = batches[-1]["stats"] if batches else None
         out.update(st or {}, batches=len(batches), error=batches[-1]["error"] if batches else "no reply")
 
@@ -269,7 +271,7 @@ def child_app_ui(a, ids: list[int], sampling: str) -> dict:
     return {"tok_s": out.get("decode_tok_s", 0.0), "batches": out["batches"], "threads": out.get("threads"),
             "lm_head_s": out.get("lm_head_s"), "new_tokens": out.get("new_tokens"),
             "misses": out.get("misses"), "attention_s": out.get("attention_s"),
-            "experts_s": out.get("experts_s")}
+            "experts_s": out.get("experts_s"), "ui_cpu_s": out.get("ui_cpu_s"), "reply_s": out.get("reply_s")}
 
 
 def child(a) -> None:
@@ -374,12 +376,18 @@ def main(argv=None) -> int:
                 if "error" in r:
                     raise fail(f"{c} {p} ({s}): {r['error']}")
                 results.setdefault((c, p, s), []).append(r)
+                if a.json:               # after every run: a run cut short keeps what it measured
+                    save_json(a.json, results, codes)
     report(a, results, samplings)
-    if a.json:
-        rows = [{"code": str(codes[c]), "path": p, "sampling": s, "runs": rs}
-                for (c, p, s), rs in results.items()]
-        a.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def save_json(path: Path, results: dict, codes: dict) -> None:
+    rows = [{"code": str(codes[c]), "label": c, "path": p, "sampling": s, "runs": rs}
+            for (c, p, s), rs in results.items()]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, path)
 
 
 def report(a, results: dict, samplings: list[str]) -> None:
