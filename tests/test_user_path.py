@@ -61,3 +61,33 @@ def test_coli_run_warms_a_model_that_fits(demo, dirs, capsys):
                  "--threads", "1", "--json", "--no-prefix-cache"]) == 0
     st = json.loads(capsys.readouterr().out)["stats"]
     assert st["misses"] == 0
+
+
+def test_coli_serve_warms_a_model_that_fits(demo, dirs):
+    """`coli serve` reads every expert at start as `coli run` does: the first request reads none."""
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    import openai
+    env = {**os.environ, "COLI_LOG_DIR": os.environ["COLI_DATA_DIR"]}
+    env.pop("COLI_API_KEY", None)
+    p = subprocess.Popen([sys.executable, "-m", "colibri_tui", "serve", "--model", demo, "--port", "0",
+                          "--threads", "1", "--no-prefix-cache"], env=env, stderr=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        assert line.startswith("coli: serving "), line
+        url = line.split(" at ")[1].split(" ")[0]
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        r = c.chat.completions.create(model=c.models.list().data[0].id,
+                                      messages=[{"role": "user", "content": "Tell me a fortune"}],
+                                      max_tokens=6, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        metrics = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+        misses = [ln for ln in metrics.splitlines() if ln.startswith("coli_expert_misses_total")]
+        assert misses and float(misses[0].split()[-1]) == 0, misses
+    finally:
+        p.kill()
+        p.wait(10)

@@ -116,6 +116,7 @@ def cmd_serve(args, open_engine) -> int:
     sock = listen(args.host, args.port)
     try:
         engine = open_engine(args)
+        engine.warm_experts()       # the model fits: every expert read now, not at a client's first token
         app = build_app(engine, model_id=args.model_name, api_key=args.api_key, max_queue=args.max_queue,
                         cors_origins=args.cors_origin, log=logger("serve"))
         host, port = sock.getsockname()[:2]
