@@ -298,6 +298,10 @@ class Engine:
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
         s = self.spec
+        plan = getattr(self, "plan", None)
+        if plan is not None and cache.length + len(ids) > plan.kv_positions:
+            from .planner import grow_kv_room     # the budget pays for the longer context
+            grow_kv_room(plan, cache.length + len(ids), self.store, getattr(self, "_prefixes", None))
         if self.governor is not None:
             self.governor.update()
         self.pass_state = {}         # what a block leaves for later layers of this pass (DSA's choice)
@@ -489,7 +493,8 @@ class Engine:
             st, c = self.store.stats(), self.counters
             steps, elapsed = max(0, len(new) - 1), time.perf_counter() - t_decode
             extra = {k: st[k] for k in ("hits", "misses", "disk_wait_s", "prefetch_issued",
-                                        "prefetch_used", "cap", "ram_bytes") if k in st}
+                                        "prefetch_used", "cap", "ram_bytes", "disk_bytes",
+                                        "page_cache_share", "page_cache_source") if k in st}
             extra.update(attention_s=c["attention_s"], lm_head_s=c["lm_head_s"],
                          experts_s=max(0.0, c["experts_s"] - st.get("disk_wait_s", 0.0)),
                          prefetch_recall=(c["predicted_hit"] / c["predicted"]) if c["predicted"] else None,
