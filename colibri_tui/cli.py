@@ -362,7 +362,7 @@ def cmd_run(args) -> int:
 def _page_cache_note(stats: dict) -> str:
     """", 62 % of it from the OS page cache" when the page cache served a share of the reads."""
     from core.pagecache import TIER_SHARE
-    share = (stats.get("extra") or {}).get("page_cache_share")
+    share = stats.get("page_cache_share")
     if not stats.get("bytes_read") or share is None or share < TIER_SHARE:
         return ""
     return f", {share:.0%} of it from the OS page cache"
@@ -492,7 +492,7 @@ def cmd_plan(args) -> int:
         print(f"page cache       {tier}{gb(plan.page_cache_bytes)} left to the OS could keep "
               f"{plan.page_cache_share:.0%} of the experts outside the pool cached (buffered reads "
               f"of those never reach the disk; --o-direct bypasses it; coli run --json reports "
-              f"the share measured: stats.extra.page_cache_share)")
+              f"the share measured: stats.page_cache_share)")
     print(f"bound by         {plan.bound}")
     return 0
 

@@ -488,6 +488,7 @@ class Engine:
             turn["cut"] = True       # a pass stopped inside: only its layers' fixed state saw it
         t_prefill = time.perf_counter() - t0
         t_decode = time.perf_counter()
+        at_decode = self.store.stats()      # the decode window's reads are counted from here
 
         def stats(final: bool) -> Stats:
             st, c = self.store.stats(), self.counters
@@ -500,6 +501,9 @@ class Engine:
                          prefetch_recall=(c["predicted_hit"] / c["predicted"]) if c["predicted"] else None,
                          final=final, kernels=kernels.backend(), threads=kernels.get_threads(),
                          routed={l: list(es) for l, es in self.routed.items()})
+            for k in ("bytes_read", "disk_bytes", "hits", "misses"):     # decode only (benchmarks)
+                if st.get(k) is not None and at_decode.get(k) is not None:
+                    extra["decode_" + k] = st[k] - at_decode[k]
             if final:
                 extra.update(ids=list(new), text=text, reason=reason)
             return Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,
