@@ -162,7 +162,9 @@ class Engine:
         self.governor = kernels.thread_governor() if threads is None else None
         c = container
         p = spec.prefix      # the language model's tensors in the checkpoint (core.arch.ArchSpec)
-        self.embed = c.load(p + "embed_tokens.weight")
+        # untied: one row per token is read from the file when needed (RAM for the experts;
+        # core.planner.dense_ram_bytes leaves it out); tied, it is the head too: in RAM
+        self.embed = (c.load if spec.tie_word_embeddings else c.load_rows)(p + "embed_tokens.weight")
         if self.embed.shape[0] != spec.vocab_size:
             raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
         if spec.tie_word_embeddings:

@@ -1,10 +1,12 @@
 """How many experts per layer fit in RAM, and what bounds speed: ``coli plan`` and open_model.
 
-The automatic budget (no --cap / --ram-gb) takes AUTO_SHARE of the memory available now and pays,
-out of it, in this order: the dense weights, what opening the model adds to the process besides
-them (measured by open_model: ``runtime_bytes``; coli plan, which opens nothing, counts 0), the
-activations of one prefill pass (``working_bytes``, from the geometry), and the KV cache of the
-context in use (``kv_positions``). The rest is the expert pool. The KV room is sized for the
+The automatic budget (no --cap / --ram-gb) starts from the memory available now and pays, in this
+order: the dense weights, what opening the model adds to the process besides them (measured by
+open_model: ``runtime_bytes``; coli plan, which opens nothing, counts 0), the activations of one
+prefill pass (``working_bytes``, from the geometry), and the KV cache of the context in use
+(``kv_positions``). AUTO_SHARE of what is left is the expert pool; the rest stays with the OS
+(other programs, and the page cache, which serves our buffered reads of experts outside the
+pool: a tier of its own, ``page_cache_bytes``). The KV room is sized for the
 session (coli run: its prompt and reply; otherwise KV_CONTEXT positions, at most KV_SHARE of what
 is left) and grows with the context: ``grow_kv_room`` gives back pool slots to pay for it, so the
 budget stays a promise. (Until issue 20 the budget reserved 4096 positions and a fixed 512 MiB:
@@ -25,7 +27,7 @@ from .errors import ColiError
 from .safetensors_io import DTYPES
 
 GB = 1e9
-AUTO_SHARE = 0.75                 # share of available memory the automatic budget may take
+AUTO_SHARE = 0.75                 # share of the memory left after the model's own needs for the pool
 # Positions of KV cache core.engine.KVCache maps at once (address space only: pages are touched
 # as positions are written, and it grows past them), and the most the automatic budget reserves
 # when the session's context is not known (the app, the server).
@@ -86,12 +88,20 @@ def slot_bytes(container: Container) -> int:
     return (span + 3 * ALIGN - 1) // ALIGN * ALIGN
 
 
-def dense_ram_bytes(container: Container) -> int:
-    """Bytes the dense weights take once loaded (16-bit floats are widened to float32)."""
+def dense_ram_bytes(container: Container, spec: ArchSpec | None = None) -> int:
+    """Bytes the dense weights take once loaded (16-bit floats are widened to float32). With the
+    spec: an untied embedding the engine reads row by row from the file (Container.load_rows:
+    quantized or float32) is left out."""
+    from .container import tensor_place
+    on_disk = None
+    if spec is not None and not spec.tie_word_embeddings:
+        name = spec.prefix + "embed_tokens.weight"
+        info = container.index.get(name, (None, None))[1]
+        if info is not None and len(info.shape) == 2 and (name in container.quant or info.dtype == "F32"):
+            on_disk = name
     total = 0
     for name, (_, info) in container.index.items():
-        from .container import tensor_place
-        if tensor_place(name)[1] is not None:
+        if tensor_place(name)[1] is not None or name == on_disk:
             continue
         widen = 4 // DTYPES[info.dtype].itemsize if info.dtype in ("BF16", "F16") else 1
         total += info.nbytes * widen
@@ -137,7 +147,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     layers = sorted({l for l, _ in experts})
     E = spec.num_experts
     slot = slot_bytes(container)
-    dense = dense_ram_bytes(container)
+    dense = dense_ram_bytes(container, spec)
     available = psutil.virtual_memory().available if available is None else int(available)
     if kv_cache not in KV_CACHES:
         raise ColiError(f"--kv-cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
@@ -145,7 +155,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
     fixed = cache_kinds.fixed_bytes(spec.cache_kinds, kv_cache)      # state that does not grow
     runtime = max(0, int(runtime_bytes or 0))
     working = working_bytes(spec, context or PREFILL_CHUNK)
-    room = AUTO_SHARE * available - dense - runtime - working - fixed   # for the pool and the KV cache
+    room = available - dense - runtime - working - fixed       # for the KV cache, the pool and the OS
     if context is not None:
         positions = min(int(context), spec.max_position_embeddings or int(context))
     else:       # not known: KV_CONTEXT, but never more than KV_SHARE of the room
@@ -164,7 +174,7 @@ def make_plan(container: Container, spec: ArchSpec, ram_gb: float | None = None,
             raise ColiError(f"--ram-gb {ram_gb:g} is too small: one expert per layer needs "
                             f"{slot * len(layers) / GB:.3f} GB")
     else:
-        budget = room - kv_position * positions
+        budget = AUTO_SHARE * (room - kv_position * positions)
         mode, n = "auto", max(1, int(budget // max(1, slot * len(layers))))
     n = min(n, E)
     expert_total = sum(l.end - l.start for l in experts.values())

@@ -78,10 +78,10 @@ def test_automatic_budget_keeps_room_for_the_kv_cache(monkeypatch):
     context = min(spec.max_position_embeddings or planner.KV_CONTEXT, planner.KV_CONTEXT)
     slot = planner.slot_bytes(c)
     layers = len({layer for layer, _ in c.experts})
-    dense = planner.dense_ram_bytes(c)
+    dense = planner.dense_ram_bytes(c, spec)
     working = planner.working_bytes(spec, context)
     # available memory for exactly 3 slots per layer once dense, one pass and the KV cache are paid
-    avail = (dense + working + per_position * context + 3.5 * slot * layers) / planner.AUTO_SHARE
+    avail = dense + working + per_position * context + 3.5 * slot * layers / planner.AUTO_SHARE
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": int(avail)})())
     plan = planner.make_plan(c, spec, context=context)
     assert (plan.kv_bytes_per_position, plan.kv_reserved_bytes) == (per_position, per_position * context)

@@ -38,7 +38,7 @@ def test_a_low_memory_budget_gives_the_pool_more_than_one_expert_per_layer(model
     try:
         spec = _spec(c)
         slot, layers = planner.slot_bytes(c), len({l for l, _ in c.experts})
-        dense, per_position = planner.dense_ram_bytes(c), planner.kv_bytes_per_position(spec)
+        dense, per_position = planner.dense_ram_bytes(c, spec), planner.kv_bytes_per_position(spec)
         # the old formula: 0.75 x available - dense - 512 MiB - 4096 positions = 1.5 slots per layer
         available = int((dense + OLD_RUNTIME + 4096 * per_position + 1.5 * slot * layers) / planner.AUTO_SHARE)
         old_cap = max(1, int((planner.AUTO_SHARE * available - dense - OLD_RUNTIME - 4096 * per_position)
@@ -47,19 +47,19 @@ def test_a_low_memory_budget_gives_the_pool_more_than_one_expert_per_layer(model
         runtime = 40 << 20                              # as open_model would have measured it
         plan = planner.make_plan(c, spec, available=available, context=80, runtime_bytes=runtime)
         working = planner.working_bytes(spec, 80)
-        want = int((planner.AUTO_SHARE * available - dense - runtime - working - 80 * per_position)
+        want = int(planner.AUTO_SHARE * (available - dense - runtime - working - 80 * per_position)
                    // (slot * layers))
         assert plan.cap == min(spec.num_experts, want) > 1
         assert (plan.kv_positions, plan.kv_reserved_bytes) == (80, 80 * per_position)
         assert (plan.runtime_bytes, plan.runtime_measured, plan.working_bytes) == (runtime, True, working)
         # a session of unknown length: 4096 positions at most, never more than a quarter of the room
         unknown = planner.make_plan(c, spec, available=available)
-        room = planner.AUTO_SHARE * available - dense - planner.working_bytes(spec)
+        room = available - dense - planner.working_bytes(spec)
         assert unknown.kv_positions == min(4096, max(planner.MIN_CONTEXT, int(0.25 * room // per_position)))
         assert unknown.cap > old_cap
         # what the plan leaves to the OS, and the share of the experts outside the pool it could
         # cache (a runtime that leaves the pool part of the experts)
-        big = int(planner.AUTO_SHARE * available - dense - working - 80 * per_position - 8.5 * slot * layers)
+        big = int(available - dense - working - 80 * per_position - 8.5 * slot * layers / planner.AUTO_SHARE)
         tight = planner.make_plan(c, spec, available=available, context=80, runtime_bytes=big)
         assert tight.cap == 8
         pool = tight.cap * slot * layers
@@ -86,10 +86,10 @@ def test_the_kv_room_grows_with_the_context_and_the_pool_pays_for_it(model, monk
     c = Container(model)
     spec = _spec(c)
     slot, layers = planner.slot_bytes(c), len({l for l, _ in c.experts})
-    dense, per_position = planner.dense_ram_bytes(c), planner.kv_bytes_per_position(spec)
+    dense, per_position = planner.dense_ram_bytes(c, spec), planner.kv_bytes_per_position(spec)
     c.close()
     # room for ~20 slots per layer besides the model's dense weights and a small runtime
-    _available(monkeypatch, (dense + (60 << 20) + 20 * slot * layers) / planner.AUTO_SHARE)
+    _available(monkeypatch, dense + (60 << 20) + 20 * slot * layers / planner.AUTO_SHARE)
     engine = open_model(model, context=16, threads=1)
     plan = engine.plan
     assert plan.mode == "auto" and plan.runtime_measured and plan.kv_positions == 16
@@ -174,9 +174,9 @@ def test_coli_plan_reports_the_context_the_runtime_and_the_page_cache(model, mon
 
     c = Container(model)
     spec = _spec(c)
-    slot, layers, dense = planner.slot_bytes(c), len({l for l, _ in c.experts}), planner.dense_ram_bytes(c)
+    slot, layers, dense = planner.slot_bytes(c), len({l for l, _ in c.experts}), planner.dense_ram_bytes(c, spec)
     c.close()
-    _available(monkeypatch, (dense + 8 * slot * layers) / planner.AUTO_SHARE + (64 << 20))
+    _available(monkeypatch, dense + 8 * slot * layers / planner.AUTO_SHARE + (64 << 20))
     assert main(["plan", "--model", str(model), "--context", "300"]) == 0
     out = capsys.readouterr().out
     assert "kept free for 300 positions" in out and "grows with the context" in out
@@ -216,3 +216,28 @@ def test_the_tier_panel_names_the_page_cache_when_it_acts_as_a_tier():
 
     import asyncio
     asyncio.run(run())
+
+
+def test_an_untied_embedding_stays_on_disk_and_gives_the_same_rows(model):
+    """One row a token: read from the file when needed, left out of the dense RAM the budget pays."""
+    from core.container import RowsOnDisk
+    from core.kernels import rows
+    from models import open_model
+
+    c = Container(model)
+    try:
+        spec = _spec(c)
+        name = spec.prefix + "embed_tokens.weight"
+        assert not spec.tie_word_embeddings
+        assert planner.dense_ram_bytes(c) - planner.dense_ram_bytes(c, spec) == c.index[name][1].nbytes
+        lazy, full = c.load_rows(name), c.load(name)
+        assert isinstance(lazy.data, RowsOnDisk) and lazy.shape == full.shape
+        ids = np.array([0, 999, 5, 5, 123])
+        assert np.array_equal(rows(lazy, ids), rows(full, ids))          # the same bits
+        with pytest.raises(IndexError):
+            lazy.data[np.array([1000])]
+    finally:
+        c.close()
+    engine = open_model(model, cap=4, threads=1)
+    assert isinstance(engine.embed.data, RowsOnDisk) and engine.plan.dense_bytes == planner.dense_ram_bytes(
+        Container(model), engine.spec)
