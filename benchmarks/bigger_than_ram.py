@@ -263,11 +263,14 @@ def convert_ours(hf: Path, out: Path) -> Path:
 def convert_gguf(hf: Path, out: Path, llama: dict) -> Path:
     if out.exists():
         return out
-    bf16 = out.with_name(out.stem + "-bf16.gguf.tmp")
-    env = dict(os.environ, PYTHONPATH=str(llama["src"] / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with Step("convert_hf_to_gguf.py (bf16)"):
-        run_checked([sys.executable, llama["src"] / "convert_hf_to_gguf.py", hf, "--outtype", "bf16",
-                     "--outfile", bf16], "convert_hf_to_gguf.py", out.with_name(out.name + ".convert.log"), env=env)
+    bf16 = out.with_name(out.stem + "-bf16.gguf")      # deleted once quantized
+    if not bf16.exists():
+        part = bf16.with_name(bf16.name + ".part")
+        env = dict(os.environ, PYTHONPATH=str(llama["src"] / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with Step("convert_hf_to_gguf.py (bf16)"):
+            run_checked([sys.executable, llama["src"] / "convert_hf_to_gguf.py", hf, "--outtype", "bf16",
+                         "--outfile", part], "convert_hf_to_gguf.py", out.with_name(out.name + ".convert.log"), env=env)
+        os.replace(part, bf16)
     tmp = out.with_name(out.name + ".tmp")
     with Step("llama-quantize Q4_0"):
         run_checked([llama["bin"] / "llama-quantize", bf16, tmp, "Q4_0"], "llama-quantize",
@@ -342,9 +345,12 @@ class Hog:
                 self.p.wait()
 
 
+KEEP_CACHES = False      # --keep-caches: never drop the page cache (a check on a shared machine)
+
+
 def drop_caches() -> bool:
     from benchmarks.common import drop_page_cache
-    return drop_page_cache()
+    return False if KEEP_CACHES else drop_page_cache()
 
 
 def block_sectors_read() -> int | None:
@@ -491,7 +497,7 @@ def measure(a, ours: Path, gguf: Path, llama: dict) -> dict:
             try:
                 if f not in disk:
                     drop_caches()
-                    d = disk_parallel_read_gbps(ours, block=slot, threads=4, max_bytes=min(512 << 20, size))
+                    d = disk_parallel_read_gbps(ours, block=slot, threads=4, max_bytes=min(512 << 20, size // 2))
                     disk[f] = d.gbps
                     log(f"  disk: {d.gbps:.2f} GB/s ({d.method}, {d.nbytes / 1e6:.0f} MB)")
                 order = [("ours", None), ("llama.cpp", None)]
@@ -591,6 +597,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models-dir", type=Path, default=Path(os.environ.get("COLI_BENCH_MODELS") or cache_root() / "bench_models"))
     ap.add_argument("--hog-max-gb", type=float, default=0.0, help="cap the hog (a safe check on a shared machine)")
     ap.add_argument("--no-hog", action="store_true", help="do not limit memory (checks the pipeline)")
+    ap.add_argument("--keep-caches", action="store_true", help="never drop the page cache (a check only)")
     ap.add_argument("--llama-repack", action="store_true", help="llama.cpp's default --repack (breaks the limit)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per engine run")
     ap.add_argument("--prepare-only", action="store_true", help="build and convert, measure nothing")
@@ -607,6 +614,8 @@ def main(argv=None) -> int:
     if a.json is not None and not a.json.parent.is_dir():
         raise fail(f"--json {a.json}: its folder does not exist")
 
+    global KEEP_CACHES
+    KEEP_CACHES = a.keep_caches
     llama = build_llamacpp(a.llamacpp_dir)
     a.models_dir.mkdir(parents=True, exist_ok=True)
     name = f"olmoe-geom-{a.layers}L-qwenvocab"
