@@ -1,7 +1,7 @@
 """Bigger than RAM, side by side (issue 20): colibrì and llama.cpp decoding one model with a
 third, a half and three quarters of it in memory, interleaved.
 
-    python benchmarks/bigger_than_ram.py [--layers 12] [--tokens 32] [--rounds 3]
+    python benchmarks/bigger_than_ram.py [--layers 12] [--tokens 32] [--rounds 4] [--max-minutes 14]
         [--fractions 0.33,0.5,0.75] [--threads 2] [--llamacpp-dir DIR] [--models-dir DIR]
         [--hog-max-gb G] [--llama-repack] [--no-hog] [--prepare-only] [--json FILE]
 
@@ -485,7 +485,12 @@ def measure(a, ours: Path, gguf: Path, llama: dict) -> dict:
     size = dir_bytes(ours)
     total = meminfo()["MemTotal"]
     runs, disk, dropped = [], {}, None
+    t_start = time.monotonic()
     for rnd in range(a.rounds):
+        spent = time.monotonic() - t_start
+        if rnd and spent / rnd * (rnd + 1) > a.max_minutes * 60:
+            log(f"stopping after {rnd} rounds: another would end past --max-minutes {a.max_minutes:g}")
+            break
         for f in a.fraction_list:
             left = int(f * size)
             hog = None
@@ -559,7 +564,7 @@ def print_table(a, rows: list[dict], m: dict, gguf_size: int, llama: dict) -> No
     print(f"\nmodel: {m['layers']} layers of OLMoE-1B-7B geometry; ours {m['size'] / 1e9:.2f} GB (int4-g64, int8 head), "
           f"Q4_0 {gguf_size / 1e9:.2f} GB; {a.tokens} tokens, {a.threads} threads, {a.rounds} rounds interleaved; "
           f"llama-completion {'--repack (default)' if a.llama_repack else '--no-repack'} -c 512; page cache "
-          f"{'dropped before each run' if m['dropped_caches'] else 'NOT dropped (needs root)'}; "
+          f"{'dropped before each run' if m['dropped_caches'] else 'NOT dropped (--keep-caches)' if a.keep_caches else 'NOT dropped (needs root)'}; "
           f"memory {'not limited (--no-hog)' if a.no_hog else 'limited by a hog process'}")
     print(f"{'left':>8} {'ours tok/s':>10} {'llama tok/s':>11} {'x llama':>7} {'pool':>5} {'hits':>6} {'pc':>4} "
           f"{'MB miss/tok':>11} {'disk GB/s':>9} {'limit':>6} {'x limit':>7} {'read GB o/l':>11}  replay (demo trace)")
@@ -581,6 +586,8 @@ def print_table(a, rows: list[dict], m: dict, gguf_size: int, llama: dict) -> No
           "under the same hog) / MB missed per token; read GB = bytes each process read from storage (wait4 "
           "ru_inblock); replay = the demo model's real routing trace replayed (LFRU) at the same share of experts: "
           "its hit rate and the disk-bound tok/s it projects for this model -- a projection, not a run)")
+    print(f"(measurement: {m['minutes']:.1f} min, {len(m['runs'])} runs; one-time steps: "
+          + (", ".join(f"{k} {v:.0f} s" for k, v in TIMINGS.items()) or "none, all made before") + ")")
     if llama.get("built_s"):
         print(f"(llama.cpp built in {llama['built_s']:.0f} s)")
 
@@ -589,7 +596,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per run")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-minutes", type=float, default=14.0,
+                    help="start no round that would end the measurement past this (builds excluded)")
     ap.add_argument("--fractions", default="0.33,0.5,0.75", help="memory left, as fractions of our model's size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", default=PROMPT)
@@ -626,7 +635,9 @@ def main(argv=None) -> int:
     if a.prepare_only:
         print(json.dumps({"ours": str(ours), "gguf": str(gguf), "hf": str(hf), "timings_s": TIMINGS}))
         return 0
+    t0 = time.monotonic()
     m = measure(a, ours, gguf, llama)
+    m["minutes"] = (time.monotonic() - t0) / 60
     rows = summarize(a, m, gguf.stat().st_size)
     print_table(a, rows, m, gguf.stat().st_size, llama)
     if a.json is not None:

@@ -241,3 +241,9 @@ def test_an_untied_embedding_stays_on_disk_and_gives_the_same_rows(model):
     engine = open_model(model, cap=4, threads=1)
     assert isinstance(engine.embed.data, RowsOnDisk) and engine.plan.dense_bytes == planner.dense_ram_bytes(
         Container(model), engine.spec)
+
+
+def test_coli_run_reserves_its_prompt_and_reply():
+    from colibri_tui.cli import TEMPLATE_ALLOWANCE, _context_needed
+    assert _context_needed([5, 6, 7], 10) == 13
+    assert _context_needed("héllo", 10) == len("héllo".encode()) + TEMPLATE_ALLOWANCE + 10
