@@ -474,10 +474,10 @@ def cmd_plan(args) -> int:
     print(f"RAM tier         {plan.cap} slots/layer x {plan.moe_layers} layers = {gb(plan.ram_expert_bytes)} "
           f"({plan.mode}; available {gb(plan.available_bytes)})")
     if plan.mode == "auto":
-        print(f"budget           {AUTO_SHARE:.0%} of available = dense + runtime + working "
-              f"{gb(plan.working_bytes)} (one prefill pass) + KV + pool; runtime "
-              + (f"{gb(plan.runtime_bytes)} measured" if plan.runtime_measured else
-                 "measured when the model opens (coli run), not counted here"))
+        print(f"budget           available - dense - runtime - one prefill pass "
+              f"{gb(plan.working_bytes)} - KV: {AUTO_SHARE:.0%} of the rest to the pool, the rest "
+              f"to the OS; runtime " + (f"{gb(plan.runtime_bytes)} measured" if plan.runtime_measured else
+                                        "measured when the model opens (coli run), not counted here"))
     print(f"KV cache         {gb(plan.kv_bytes_per_position * 1024)} per 1024 positions"
           + (f" ({gb(plan.kv_reserved_bytes)} kept free for {plan.kv_positions} positions; "
              f"it grows with the context, the pool giving back slots)" if plan.mode == "auto" else ""))
