@@ -482,6 +482,10 @@ def measure(a, ours: Path, gguf: Path, llama: dict) -> dict:
     slot, expert_bytes = slot_bytes(c), sum(l.end - l.start for l in c.experts.values()) / len(c.experts)
     layers = len({l for l, _ in c.experts})
     c.close()
+    history = ours / ".coli_usage"       # the routing history coli run keeps beside the model
+    if history.exists():
+        history.unlink()
+        log(f"removed {history}: the measurement starts with no routing history (it learns one as it runs)")
     size = dir_bytes(ours)
     total = meminfo()["MemTotal"]
     runs, disk, dropped = [], {}, None
