@@ -406,7 +406,7 @@ class Engine:
         if isinstance(prompt, (list, tuple, np.ndarray)) and (len(prompt) == 0 or not isinstance(prompt[0], dict)):
             return [int(t) for t in prompt]
         if self.tokenizer is None:
-            raise ColiError(f"{self.container.path} has no tokenizer.json; pass token ids (--ids)")
+            raise ColiError(f"{self.container.path} has no tokenizer (tokenizer.json or tiktoken.model); pass token ids (--ids)")
         if isinstance(prompt, str):
             if raw:
                 return self.tokenizer.encode(prompt)

@@ -3,7 +3,9 @@
 ``ChatTokenizer.from_dir(path)`` reads what ``AutoTokenizer.from_pretrained(path)`` reads, without
 importing transformers:
 
-* ``tokenizer.json`` through the ``tokenizers`` library (encode / decode);
+* ``tokenizer.json`` through the ``tokenizers`` library (encode / decode); without one, a tiktoken
+  vocabulary (``tiktoken.model``, Kimi's) built into the same kind of ``tokenizers.Tokenizer`` by
+  ``core.tiktoken_bpe``;
 * special tokens (``bos_token``, ``eos_token``, ``unk_token``, ``sep_token``, ``pad_token``,
   ``cls_token``, ``mask_token``, other ``*_token`` strings and a dict ``extra_special_tokens``) from
   ``tokenizer_config.json``, with ``special_tokens_map.json`` filling names the config lacks. Each
@@ -52,6 +54,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from .errors import ColiError
+from .tiktoken_bpe import TIKTOKEN_FILE, has_tiktoken, load_tiktoken_tokenizer
 
 __all__ = ["ChatTokenizer", "StreamDecoder", "compile_chat_template", "load_tokenizer"]
 
@@ -288,13 +291,15 @@ class ChatTokenizer:
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "ChatTokenizer":
         path = os.fspath(path)
-        tok_file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):
-            raise FileNotFoundError(f"no tokenizer.json in {path}")
-        tokenizer = Tokenizer.from_file(tok_file)
-
         cfg_file = os.path.join(path, "tokenizer_config.json")
         config = _read_json(cfg_file) if os.path.isfile(cfg_file) else {}
+        tok_file = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tok_file):
+            tokenizer = Tokenizer.from_file(tok_file)
+        elif has_tiktoken(path):            # Kimi: tiktoken.model + its tokenization module
+            tokenizer = load_tiktoken_tokenizer(path, config)
+        else:
+            raise FileNotFoundError(f"no tokenizer.json or {TIKTOKEN_FILE} in {path}")
 
         special: dict[str, str] = {}
         for key, value in config.items():
@@ -543,12 +548,14 @@ class StreamDecoder:
 
 
 def load_tokenizer(directory: str | os.PathLike) -> "ChatTokenizer | None":
-    """The directory's tokenizer (None without a tokenizer.json); damaged tokenizer files are one
-    ColiError naming them (the tokenizers library raises plain Exceptions)."""
-    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    """The directory's tokenizer (None without a tokenizer.json or a tiktoken.model); damaged
+    tokenizer files are one ColiError naming them (the tokenizers library raises plain Exceptions)."""
+    if not (os.path.isfile(os.path.join(directory, "tokenizer.json")) or has_tiktoken(directory)):
         return None
     try:
         return ChatTokenizer.from_dir(directory)
+    except ColiError:
+        raise
     except Exception as e:      # tokenizers' errors, bad JSON, a template that does not compile
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
         raise ColiError(f"{directory}: the tokenizer files do not load ({first})") from None
