@@ -77,14 +77,14 @@ def _env_float(name: str):
         return None
 
 
-def _open(args):
+def _open(args, context: int | None = None):
     from models import open_model
     from models import DEFAULT_POLICY
     from core import kernels
     kernels.set_int8_activations(getattr(args, "int8_activations", False))
     engine = open_model(_need_model(args), threads=args.threads, ram_gb=args.ram_gb, cap=args.cap,
                         policy=args.policy or DEFAULT_POLICY, prefetch=not args.no_prefetch,
-                        o_direct=args.o_direct, kv_cache=args.kv_cache)
+                        o_direct=args.o_direct, kv_cache=args.kv_cache, context=context)
     engine.prefix_cache = not getattr(args, "no_prefix_cache", False)
     return engine
 
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ram-gb", type=float, default=_env_float("COLI_RAM_GB"), metavar="G",
                    help="plan for G GB of RAM for routed experts (default: automatic, or $COLI_RAM_GB)")
     g.add_argument("--cap", type=int, default=None, metavar="N", help="plan for N routed experts per layer in RAM")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="plan the KV room for a session of N positions (default: not known: "
+                        "4096, at most a quarter of the room)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     from .cli_replay import add_parser as add_replay
@@ -324,9 +327,9 @@ def cmd_run(args) -> int:
                                   seed=args.seed, greedy=args.greedy)
     except ValueError as e:
         raise ColiError(str(e)) from None
-    engine = _open(args)
-    engine.warm_experts()       # the model fits: every expert read now, not at its first token
     prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
+    engine = _open(args, context=_context_needed(prompt, args.max_new_tokens))
+    engine.warm_experts()       # the model fits: every expert read now, not at its first token
     stats = None
     if args.trace:
         from core.trace import TraceWriter
@@ -352,8 +355,30 @@ def cmd_run(args) -> int:
     else:
         print(f"[{d['new_tokens']} tokens, prefill {d['prefill_tok_s']:.1f} tok/s, "
               f"decode {d['decode_tok_s']:.1f} tok/s, hit rate {d['hit_rate']:.1%}, "
-              f"read {d['bytes_read'] / 1e6:.1f} MB, stop: {d['reason']}]", file=sys.stderr)
+              f"read {d['bytes_read'] / 1e6:.1f} MB{_page_cache_note(d)}, stop: {d['reason']}]",
+              file=sys.stderr)
     return 0
+
+
+def _page_cache_note(stats: dict) -> str:
+    """", 62 % of it from the OS page cache" when the page cache served a share of the reads."""
+    from core.pagecache import TIER_SHARE
+    share = stats.get("page_cache_share")
+    if not stats.get("bytes_read") or share is None or share < TIER_SHARE:
+        return ""
+    return f", {share:.0%} of it from the OS page cache"
+
+
+# a chat template's own tokens around a prompt (role markers, a default system line): a bound
+# for the KV room, which grows past it anyway (core.planner.grow_kv_room)
+TEMPLATE_ALLOWANCE = 256
+
+
+def _context_needed(prompt, max_new_tokens: int) -> int:
+    """The positions a run needs at most: its ids, or a text prompt's UTF-8 bytes (no tokenizer
+    makes fewer than one byte per token) with the template's, plus the reply."""
+    n = len(prompt) if not isinstance(prompt, str) else len(prompt.encode("utf-8")) + TEMPLATE_ALLOWANCE
+    return max(1, n + max_new_tokens)
 
 
 def cmd_logits(args) -> int:
@@ -431,14 +456,15 @@ def cmd_info(args) -> int:
 
 def cmd_plan(args) -> int:
     from core.container import Container
-    from core.planner import make_plan
+    from core.planner import AUTO_SHARE, make_plan
     from models import family_for, load_model_usage
 
     c = Container(_need_model(args))
     spec = family_for(c.config).spec(c.config)
     plan = make_plan(c, spec, ram_gb=args.ram_gb, cap=args.cap, usage=load_model_usage(c, spec),
-                     kv_cache=args.kv_cache)
+                     kv_cache=args.kv_cache, context=args.context)
     d = plan.as_dict()
+    d["page_cache_tier"] = plan.page_cache_tier
     if args.json:
         print(json.dumps(d))
         return 0
@@ -448,14 +474,26 @@ def cmd_plan(args) -> int:
     print(f"experts (disk)   {gb(plan.expert_bytes)} = {plan.moe_layers} layers x {plan.num_experts} experts")
     print(f"RAM tier         {plan.cap} slots/layer x {plan.moe_layers} layers = {gb(plan.ram_expert_bytes)} "
           f"({plan.mode}; available {gb(plan.available_bytes)})")
+    if plan.mode == "auto":
+        print(f"budget           available - dense - runtime - one prefill pass "
+              f"{gb(plan.working_bytes)} - KV: {AUTO_SHARE:.0%} of the rest to the pool, the rest "
+              f"to the OS; runtime " + (f"{gb(plan.runtime_bytes)} measured" if plan.runtime_measured else
+                                        "measured when the model opens (coli run), not counted here"))
     print(f"KV cache         {gb(plan.kv_bytes_per_position * 1024)} per 1024 positions"
-          + (f" ({gb(plan.kv_reserved_bytes)} kept free for it)" if plan.mode == "auto" else ""))
+          + (f" ({gb(plan.kv_reserved_bytes)} kept free for {plan.kv_positions} positions; "
+             f"it grows with the context, the pool giving back slots)" if plan.mode == "auto" else ""))
     from core.cache_kinds import describe
     print(f"per position     {plan.kv_bytes_per_position:,} bytes: {describe(spec.cache_kinds, args.kv_cache)}")
     if plan.fixed_state_bytes:        # recurrent / conv state: its size whatever the context
         print(f"fixed state      {gb(plan.fixed_state_bytes)} (recurrent + conv state, whatever the context)")
     print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
     print(f"projected hits   {plan.projected_hit_rate:.1%}")
+    if plan.cap < plan.num_experts:
+        tier = ("the OS page cache acts as a tier: " if plan.page_cache_tier else "")
+        print(f"page cache       {tier}{gb(plan.page_cache_bytes)} left to the OS could keep "
+              f"{plan.page_cache_share:.0%} of the experts outside the pool cached (buffered reads "
+              f"of those never reach the disk; --o-direct bypasses it; coli run --json reports "
+              f"the share measured: stats.page_cache_share)")
     print(f"bound by         {plan.bound}")
     return 0
 

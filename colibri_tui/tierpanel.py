@@ -139,6 +139,17 @@ class TierPanel(Vertical):
         return (f"{s['url']}{' (key)' if s.get('keyed') else ''}\n{s['served']} served · queue "
                 f"{s['waiting']}/{s['max_queue']}{busy}")
 
+    def page_cache_line(self) -> str:
+        """The OS page cache acting as a tier, measured over the reply: the share of the bytes the
+        store read that never reached the disk (core.pagecache), when it is TIER_SHARE or more;
+        "" otherwise (before a reply, nothing read, or the disk served them). coli plan projects it."""
+        from core.pagecache import TIER_SHARE
+        d = self.last
+        share = d.get("page_cache_share") if d else None
+        if share is None or not d.get("bytes_read") or share < TIER_SHARE:
+            return ""
+        return f"OS tier · {share:.0%} of reads"
+
     def refresh_stats(self) -> None:
         self.query_one("#tier-stats", Static).update(self._table())
         if self.rates:
@@ -179,6 +190,9 @@ class TierPanel(Vertical):
             line = bar(used / budget if budget else 0, 10)
             line.append(f" {human_bytes(used)} / {human_bytes(budget)}")
             t.add_row("RAM tier", line)
+        cache = self.page_cache_line()
+        if cache:
+            t.add_row("pg cache", Text(cache, style="#d7af5f"))
         if d:
             t.add_row("peak RSS", human_bytes(d.get("peak_rss_bytes", 0)))
             t.add_row("time", split_bar(d, 22))

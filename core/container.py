@@ -49,6 +49,29 @@ class Weight:
     group_size: int = 0
 
 
+class RowsOnDisk:
+    """Rows of a stored 2-D tensor, read (one positioned read per row) when indexed: ``[ids]``
+    gives them as an array, like the array in RAM would; nothing is kept."""
+
+    def __init__(self, f: SafetensorsFile, info: TensorInfo):
+        self.f, self.info = f, info
+        self.shape, self.dtype = tuple(info.shape), np.dtype(DTYPES[info.dtype])
+        self.row_bytes = info.nbytes // info.shape[0]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        flat = ids.reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
+            raise IndexError(f"row out of range 0..{self.shape[0] - 1}")
+        out = np.empty((flat.size, self.row_bytes), np.uint8)
+        for i, r in enumerate(flat.tolist()):
+            out[i] = np.frombuffer(self.f.pread(self.row_bytes, self.info.start + r * self.row_bytes), np.uint8)
+        return out.view(self.dtype).reshape(ids.shape + self.shape[1:])
+
+
 @dataclass
 class ExpertLocation:
     shard: SafetensorsFile
@@ -244,6 +267,22 @@ class Container:
         sf, sinfo = self.index[name + ".qs"]
         return weight_from_bytes(info, f.pread(info.nbytes, info.start), q, sinfo,
                                  sf.pread(sinfo.nbytes, sinfo.start))
+
+    def load_rows(self, name: str) -> Weight:
+        """A matrix whose rows are read from the file when asked for (``RowsOnDisk``; its scales,
+        if any, in RAM): an untied embedding, of which a token needs one row -- 311 MB of a
+        151,851-row int8 table otherwise held for 2 KB a token (issue 20). A dense 16-bit table
+        is widened in RAM as load() does (its rows would be widened at every lookup)."""
+        f, info = self.index.get(name, (None, None))
+        if info is None or (name not in self.quant and info.dtype != "F32") or len(info.shape) != 2:
+            return self.load(name)
+        rows = RowsOnDisk(f, info)
+        q = self.quant.get(name)
+        if q is None:
+            return Weight("dense", info.shape, rows)
+        sf, sinfo = self.index[name + ".qs"]
+        scales = np.frombuffer(sf.pread(sinfo.nbytes, sinfo.start), dtype=np.float32).reshape(sinfo.shape)
+        return Weight(q.scheme, q.shape, rows, scales, q.group_size)
 
     def expert_weights(self, layer: int, expert: int, blob) -> dict[str, Weight]:
         """Split one expert's bytes (read with a single pread of its range) into Weights keyed

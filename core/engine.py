@@ -162,7 +162,9 @@ class Engine:
         self.governor = kernels.thread_governor() if threads is None else None
         c = container
         p = spec.prefix      # the language model's tensors in the checkpoint (core.arch.ArchSpec)
-        self.embed = c.load(p + "embed_tokens.weight")
+        # untied: one row per token is read from the file when needed (RAM for the experts;
+        # core.planner.dense_ram_bytes leaves it out); tied, it is the head too: in RAM
+        self.embed = (c.load if spec.tie_word_embeddings else c.load_rows)(p + "embed_tokens.weight")
         if self.embed.shape[0] != spec.vocab_size:
             raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
         if spec.tie_word_embeddings:
@@ -299,6 +301,10 @@ class Engine:
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
         s = self.spec
+        plan = getattr(self, "plan", None)
+        if plan is not None and cache.length + len(ids) > plan.kv_positions:
+            from .planner import grow_kv_room     # the budget pays for the longer context
+            grow_kv_room(plan, cache.length + len(ids), self.store, getattr(self, "_prefixes", None))
         if self.governor is not None:
             self.governor.update()
         self.pass_state = {}         # what a block leaves for later layers of this pass (DSA's choice)
@@ -505,17 +511,22 @@ class Engine:
             turn["cut"] = True       # a pass stopped inside: only its layers' fixed state saw it
         t_prefill = time.perf_counter() - t0
         t_decode = time.perf_counter()
+        at_decode = self.store.stats()      # the decode window's reads are counted from here
 
         def stats(final: bool) -> Stats:
             st, c = self.store.stats(), self.counters
             steps, elapsed = max(0, len(new) - 1), time.perf_counter() - t_decode
             extra = {k: st[k] for k in ("hits", "misses", "disk_wait_s", "prefetch_issued",
-                                        "prefetch_used", "cap", "ram_bytes") if k in st}
+                                        "prefetch_used", "cap", "ram_bytes", "disk_bytes",
+                                        "page_cache_share", "page_cache_source") if k in st}
             extra.update(attention_s=c["attention_s"], lm_head_s=c["lm_head_s"],
                          experts_s=max(0.0, c["experts_s"] - st.get("disk_wait_s", 0.0)),
                          prefetch_recall=(c["predicted_hit"] / c["predicted"]) if c["predicted"] else None,
                          final=final, kernels=kernels.backend(), threads=kernels.get_threads(),
                          routed={l: list(es) for l, es in self.routed.items()})
+            for k in ("bytes_read", "disk_bytes", "hits", "misses"):     # decode only (benchmarks)
+                if st.get(k) is not None and at_decode.get(k) is not None:
+                    extra["decode_" + k] = st[k] - at_decode[k]
             if final:
                 extra.update(ids=list(new), text=text, reason=reason)
             return Stats(prompt_tokens=len(ids), new_tokens=len(new), ttft_s=t_prefill,

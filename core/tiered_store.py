@@ -14,6 +14,10 @@
   by the time the next one is asked for.
 * ``prefetch(layer, ids)`` starts reads for the next layer's predicted experts; it only evicts in
   that layer's pool, so it can never evict what the current layer holds.
+* ``shrink(cap)`` gives slots back to the OS between passes (the automatic budget paying for a
+  growing KV cache: core.planner.grow_kv_room).
+* Buffered reads may be served by the OS page cache, a tier of its own: stats() says how much
+  of the bytes read came from it (core.pagecache).
 
 Weights are parsed in place (numpy views over the slot), so a hit costs no copy.
 """
@@ -30,7 +34,8 @@ from dataclasses import dataclass, field
 from .container import Container
 from .errors import ColiError
 from .fileio import read_at
-from .memory import anonymous_buffer
+from .memory import anonymous_buffer, release_pages
+from .pagecache import CACHED_READ_GBPS, disk_read_bytes, served_share
 from .planner import ALIGN, slot_bytes
 from .policies import LRU, Policy
 from .store import ExpertFFN, ExpertStore
@@ -44,6 +49,7 @@ class _Slot:
     ffn: ExpertFFN | None = None
     future: Future | None = None      # read in flight
     prefetched: bool = False          # loaded by prefetch, not yet requested
+    offset: int = 0                   # where the slot starts in the arena (shrink releases it)
 
 
 @dataclass
@@ -56,7 +62,8 @@ class TieredStore(ExpertStore):
     tiers = ("ram", "disk")
 
     def __init__(self, container: Container, cap: int, policy: Policy | None = None,
-                 o_direct: bool = False, io_threads: int = 4, prefetch: bool = True):
+                 o_direct: bool = False, io_threads: int = 4, prefetch: bool = True,
+                 pin: bool = True):
         if cap < 1:
             raise ColiError("the RAM budget is too small for even one expert per layer")
         self.container, self.cap = container, cap
@@ -74,7 +81,8 @@ class TieredStore(ExpertStore):
             raise ColiError(f"cannot reserve {size / 1e9:.1f} GB for {cap} experts per layer "
                             f"({getattr(e, 'strerror', None) or e}); ask for fewer with --cap or "
                             f"--ram-gb") from None
-        slots = (_Slot(arena[i * self.slot_bytes: (i + 1) * self.slot_bytes])
+        self._arena = arena
+        slots = (_Slot(arena[i * self.slot_bytes: (i + 1) * self.slot_bytes], offset=i * self.slot_bytes)
                  for i in range(cap * len(self._layers_of)))
         self.layers = {l: _Layer([next(slots) for _ in range(cap)]) for l in self._layers_of}
         self.o_direct = False
@@ -83,7 +91,9 @@ class TieredStore(ExpertStore):
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="coli-io")
         self._lock = threading.Lock()
         self.reset_stats()
-        self._pin()
+        self._pinned: dict[int, set[int]] = {}
+        if pin:           # pin=False: the caller pins later (open_model: after sizing the pool)
+            self._pin()
 
     # --- files -----------------------------------------------------------------------------------
     def _open_files(self, o_direct: bool) -> None:
@@ -127,9 +137,12 @@ class TieredStore(ExpertStore):
         got = self._pread(fd, slot.buf[:length], lo)
         if got < head + n:
             raise ColiError(f"{loc.shard.path.name} is truncated: expert {layer}/{expert} could not be read")
+        dt = time.perf_counter() - t0
         with self._lock:
             self._stats["bytes_read"] += n
-            self._stats["read_s"] += time.perf_counter() - t0
+            self._stats["read_s"] += dt
+            if not self.o_direct and n > dt * CACHED_READ_GBPS * 1e9:
+                self._stats["fast_read_bytes"] += n      # faster than a disk: the page cache's
         return ExpertFFN.from_parts(self.container.expert_weights(layer, expert, slot.buf[head:head + n]), n)
 
     def _pread(self, fd: int, view: memoryview, offset: int) -> int:
@@ -175,8 +188,13 @@ class TieredStore(ExpertStore):
             return None
         return L.where[self.policy.victim(layer, candidates)]
 
+    def pin(self) -> None:
+        """Load the policy's hot set (at most cap - 1 per layer), if not done at construction."""
+        if not any(self._pinned.values()):
+            self._pin()
+
     def _pin(self) -> None:
-        self._pinned: dict[int, set[int]] = {}
+        self._pinned = {}
         for layer in self._layers_of:
             hot = [e for e in sorted(self.policy.pinned(layer)) if (layer, e) in self.container.experts]
             hot = hot[: max(0, self.cap - 1)]        # leave at least one slot for the rest
@@ -282,7 +300,8 @@ class TieredStore(ExpertStore):
 
     def reset_stats(self) -> None:
         self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "disk_wait_s": 0.0, "read_s": 0.0,
-                       "prefetch_issued": 0, "prefetch_used": 0}
+                       "prefetch_issued": 0, "prefetch_used": 0, "fast_read_bytes": 0}
+        self._disk0 = disk_read_bytes()      # the process's storage reads when counting started
         # a prefetch issued before the reset is not this window's: finding it later is a plain
         # hit, never "used" (which would count more used than issued)
         for L in self.layers.values():
@@ -298,7 +317,47 @@ class TieredStore(ExpertStore):
         s["slot_bytes"] = self.slot_bytes
         s["ram_bytes"] = self.slot_bytes * self.cap * len(self.layers)
         s["o_direct"] = self.o_direct
+        # how much of what we read the OS served from its page cache (core.pagecache)
+        now = disk_read_bytes() if self._disk0 is not None else None
+        if self.o_direct:
+            s["disk_bytes"], s["page_cache_share"], s["page_cache_source"] = s["bytes_read"], 0.0, "o_direct"
+        elif now is not None:
+            s["disk_bytes"] = now - self._disk0
+            s["page_cache_share"] = served_share(s["bytes_read"], s["disk_bytes"])
+            s["page_cache_source"] = "io"
+        else:
+            s["disk_bytes"] = None
+            s["page_cache_share"] = s["fast_read_bytes"] / s["bytes_read"] if s["bytes_read"] else 0.0
+            s["page_cache_source"] = "timing"
         return s
+
+    def shrink(self, cap: int) -> None:
+        """Keep at most ``cap`` (>= 1) slots per layer and give the others' memory back to the OS
+        (core.memory.release_pages). Between passes only: no request may be running. Empty slots
+        go first, then the policy's victims, then (below cap - 1) pinned experts, last pinned first."""
+        cap = max(1, int(cap))
+        if cap >= self.cap:
+            return
+        for layer, L in self.layers.items():
+            inflight = [s.future for s in L.slots if s.future is not None]
+            if inflight:
+                wait(inflight)           # no read may land in a released slot
+            pinned = self._pinned.get(layer, set())
+            while len(pinned) > cap - 1:
+                pinned.discard(max(pinned))
+            while len(L.slots) > cap:
+                empty = [i for i, s in enumerate(L.slots) if s.expert < 0]
+                if empty:
+                    i = empty[0]
+                else:
+                    free = [s.expert for s in L.slots if s.expert not in pinned]
+                    i = L.where[self.policy.victim(layer, free)]
+                slot = L.slots.pop(i)
+                if slot.expert >= 0:
+                    self.policy.forget(layer, slot.expert)
+                release_pages(self._arena, slot.offset, self.slot_bytes)
+                L.where = {s.expert: j for j, s in enumerate(L.slots) if s.expert >= 0}
+        self.cap = cap
 
     def resident(self) -> dict[int, dict[int, str]]:
         """layer -> {expert: 'pinned' | 'ram'} for the live view."""

@@ -71,11 +71,20 @@ def _read_json(path: Path) -> dict | None:
 
 def open_model(path: str | Path, threads: int | None = None, ram_gb: float | None = None,
                cap: int | None = None, policy: str = DEFAULT_POLICY, prefetch: bool = True,
-               o_direct: bool = False, io_threads: int = 4, kv_cache: str = "float32") -> Engine:
+               o_direct: bool = False, io_threads: int = 4, kv_cache: str = "float32",
+               context: int | None = None) -> Engine:
     """Open a converted container: pick the family from config.json, size the RAM tier
     (``cap`` experts per layer, or ``ram_gb`` for the slot pool, or automatic), build the engine.
     ``kv_cache``: "float32", or the opt-in "float16" (half the KV memory and attention's reads;
-    outputs change slightly)."""
+    outputs change slightly). ``context``: the positions the session needs (prompt + reply) when
+    known, for the automatic budget's KV room (core.planner; it grows past them anyway).
+
+    The automatic budget is sized twice: before the engine is built (the pool's arena is address
+    space until read into, and nothing is pinned yet) and after, with what opening the model added
+    to the process measured (its RSS); the pool then shrinks to the second figure and pins."""
+    import psutil
+
+    from core.memory import rss_bytes
     from core.planner import make_plan
     from core.policies import make_policy
     from core.tiered_store import TieredStore
@@ -86,7 +95,9 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
         validate_config(container.config, container.logical_shapes(), str(container.path))
         spec = family_for(container.config).spec(container.config,
                                                    _read_json(container.path / "generation_config.json"))
-        plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap, kv_cache=kv_cache)
+        available, rss = psutil.virtual_memory().available, rss_bytes()
+        plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap, kv_cache=kv_cache, context=context,
+                         available=available)
         layers = sorted({l for l, _ in container.experts})
         history = load_model_usage(container, spec)
         try:
@@ -94,11 +105,20 @@ def open_model(path: str | Path, threads: int | None = None, ram_gb: float | Non
         except ValueError as e:
             raise ColiError(str(e)) from None
         store = TieredStore(container, cap=plan.cap, policy=pol, o_direct=o_direct,
-                            io_threads=io_threads, prefetch=prefetch)
+                            io_threads=io_threads, prefetch=prefetch, pin=False)
         from core.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(container.path)
         engine = Engine(container, spec, store=store, tokenizer=tokenizer, threads=threads,
                         kv_dtype=kv_cache)
+        # what opening added besides the dense weights (libraries, tokenizer, threads), measured
+        runtime = max(0, rss_bytes() - rss - plan.dense_bytes)
+        plan = make_plan(container, spec, ram_gb=ram_gb, cap=cap, kv_cache=kv_cache, context=context,
+                         available=available, runtime_bytes=runtime)
+        if plan.cap < store.cap:
+            store.shrink(plan.cap)
+        plan.cap = store.cap            # never more slots than the arena has (a smaller runtime)
+        plan.ram_expert_bytes = store.slot_bytes * store.cap * plan.moe_layers
+        store.pin()
         engine.plan = plan
         engine.usage_history = dict(history)
         engine.usage_file = model_usage_path(container.path)

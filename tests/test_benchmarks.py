@@ -111,3 +111,19 @@ def test_streaming_benchmark_takes_a_geometry(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "FAILED" not in out and "GLM-4.5-Air" in out
     assert sum(l.startswith(("prefetch off", "prefetch on")) for l in out.splitlines()) == 2
+
+
+def test_bigger_than_ram_reads_llama_cpp_s_decode_time_and_replays_the_demo_trace():
+    """benchmarks/bigger_than_ram.py's plumbing: llama.cpp's perf lines (the decode's, not the
+    prompt's), and the replay projection on the demo model's routing trace."""
+    from benchmarks.bigger_than_ram import llama_eval, replay_projection
+    err = ("llama_perf_context_print: prompt eval time =     812.40 ms /    15 tokens (   54.16 ms per token)\n"
+           "llama_perf_context_print:        eval time =    6200.00 ms /    31 runs   (  200.00 ms per token,"
+           "     5.00 tokens per second)\n")
+    assert llama_eval(err) == (6200.0, 31)
+    assert llama_eval("nothing here") is None
+    r = replay_projection(0.25, 3e6, 8, 12, disk_gbps=1.0)
+    assert r["trace_cap"] == 8 and r["trace_experts"] == 32
+    assert 0 < r["hit_rate"] <= r["belady_hit_rate"] < 1
+    assert r["missed_per_token"] == (1 - r["hit_rate"]) * 8 * 12 * 3e6
+    assert abs(r["disk_bound_tok_s"] - 1e9 / r["missed_per_token"]) < 1e-9

@@ -60,8 +60,9 @@ def test_peak_rss_within_budget_on_a_model_four_times_larger(model):
 
 
 def test_automatic_budget_keeps_room_for_the_kv_cache(monkeypatch):
-    """`coli plan` / open_model's automatic pool leaves the KV cache of KV_CONTEXT positions free
-    (a long chat must not push the process past the budget it was promised)."""
+    """`coli plan` / open_model's automatic pool leaves the KV cache of the session's context free
+    (a long chat must not push the process past the budget it was promised; past it, the pool
+    gives back slots: tests/test_planner.py)."""
     import psutil
 
     from core import planner
@@ -77,14 +78,14 @@ def test_automatic_budget_keeps_room_for_the_kv_cache(monkeypatch):
     context = min(spec.max_position_embeddings or planner.KV_CONTEXT, planner.KV_CONTEXT)
     slot = planner.slot_bytes(c)
     layers = len({layer for layer, _ in c.experts})
-    dense = planner.dense_ram_bytes(c)
-    # available memory for exactly 3 slots per layer once dense, runtime and the KV cache are paid
-    avail = (dense + planner.RUNTIME_OVERHEAD + per_position * context + 3.5 * slot * layers) / planner.AUTO_SHARE
+    dense = planner.dense_ram_bytes(c, spec)
+    working = planner.working_bytes(spec, context)
+    # available memory for exactly 3 slots per layer once dense, one pass and the KV cache are paid
+    avail = dense + working + per_position * context + 3.5 * slot * layers / planner.AUTO_SHARE
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": int(avail)})())
-    plan = planner.make_plan(c, spec)
+    plan = planner.make_plan(c, spec, context=context)
     assert (plan.kv_bytes_per_position, plan.kv_reserved_bytes) == (per_position, per_position * context)
-    assert plan.mode == "auto" and plan.cap == 3
-    half = planner.make_plan(c, spec, kv_cache="float16")   # the opt-in float16 cache: half the room
+    assert plan.mode == "auto" and plan.cap == 3 and plan.kv_positions == context
+    half = planner.make_plan(c, spec, kv_cache="float16", context=context)   # float16: half the room
     assert (half.kv_bytes_per_position, half.kv_reserved_bytes) == (per_position // 2, per_position * context // 2)
-    monkeypatch.setattr(planner, "KV_CONTEXT", 0)          # without the KV room: one slot more
-    assert planner.make_plan(c, spec).cap > 3
+    assert planner.make_plan(c, spec, context=1).cap > 3      # a short session: more slots
