@@ -1232,6 +1232,153 @@ COLI_T_AVX512 static float coli_q8_pf_avx512(const float *U, const float *x, col
                                    a[q]);
     return coli_q8_fold_avx512(a);
 }
+
+/* ---- int8 decode (T == 1): several rows per pass ----
+ * The one-row loop above ran at 0.5-0.7 of the read bandwidth on big matrices (the lm_head):
+ * one row stream per thread, and the hardware prefetcher stops at every 4 KiB page.  These read
+ * R rows at once from R streams far apart (rows r, r + q, r + 2q, .. of the block), prefetch each
+ * stream COLI_Q8_AHEAD bytes ahead in software, and share every x load between the rows.  Each
+ * row keeps exactly the accumulators, block order and fold of coli_q8_row_<level> (so the bits
+ * are those of the one-row loop and of the prefill kernels): AVX-512 runs 3 rows x 8
+ * accumulators in one pass (24 of the 32 zmm registers); AVX2 (16 ymm) runs 2 rows in two
+ * passes, accumulators 0-3 over the whole row and then 4-7 (the second pass reads the rows
+ * from L1: an accumulator's sequence of operations does not depend on the loop order around
+ * it).  A last partial block goes through a zero-padded copy, as in the one-row loop. */
+enum { COLI_Q8_AHEAD = 1024, COLI_Q8_R512 = 3, COLI_Q8_R256 = 2 };
+
+COLI_T_AVX512 COLI_INLINE void coli_q8_rown_avx512(const int8_t *const *wr, const int R,
+                                                   const float *x, coli_idx cols, coli_idx Lp,
+                                                   float *y)
+{
+    __m512 a[COLI_Q8_R512][8];
+    int8_t tail[COLI_Q8_R512][128];
+    coli_idx k, nfull = cols / 128;
+    int j, q;
+    for (j = 0; j < R; j++)
+        for (q = 0; q < 8; q++)
+            a[j][q] = _mm512_setzero_ps();
+    for (k = 0; k < nfull; k++) {
+        const float *xb = x + 128 * k;
+        for (j = 0; j < R; j++) {
+            _mm_prefetch((const char *)(wr[j] + 128 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr[j] + 128 * k) + COLI_Q8_AHEAD + 64, _MM_HINT_T0);
+        }
+        for (q = 0; q < 8; q++) {
+            __m512 xv = _mm512_loadu_ps(xb + 16 * q);
+            for (j = 0; j < R; j++) {
+                __m512i d = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(wr[j] + 128 * k + 16 * q)));
+                a[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xv, a[j][q]);
+            }
+        }
+    }
+    if (128 * nfull < Lp) {
+        const float *xb = x + 128 * nfull;
+        for (j = 0; j < R; j++) {
+            memset(tail[j], 0, sizeof(tail[j]));
+            memcpy(tail[j], wr[j] + 128 * nfull, (size_t)(cols - 128 * nfull));
+        }
+        for (q = 0; q < 8; q++) {
+            __m512 xv = _mm512_loadu_ps(xb + 16 * q);
+            for (j = 0; j < R; j++) {
+                __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tail[j] + 16 * q)));
+                a[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xv, a[j][q]);
+            }
+        }
+    }
+    for (j = 0; j < R; j++)
+        y[j] = coli_q8_fold_avx512(a[j]);
+}
+
+COLI_T_AVX2 COLI_INLINE void coli_q8_rown_avx2(const int8_t *const *wr, const int R,
+                                               const float *x, coli_idx cols, coli_idx Lp,
+                                               float *y)
+{
+    __m256 a[COLI_Q8_R256][8];
+    int8_t tail[COLI_Q8_R256][64];
+    coli_idx k, nfull = cols / 64;
+    int j, q, h, part = 64 * nfull < Lp;
+    if (part)
+        for (j = 0; j < R; j++) {
+            memset(tail[j], 0, sizeof(tail[j]));
+            memcpy(tail[j], wr[j] + 64 * nfull, (size_t)(cols - 64 * nfull));
+        }
+    for (h = 0; h < 2; h++) {
+        __m256 A[COLI_Q8_R256][4];
+        for (j = 0; j < R; j++)
+            for (q = 0; q < 4; q++)
+                A[j][q] = _mm256_setzero_ps();
+        for (k = 0; k < nfull + part; k++) {
+            const float *xb = x + 64 * k + 32 * h;
+            for (j = 0; j < R; j++)
+                if (h == 0)
+                    _mm_prefetch((const char *)(wr[j] + 64 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+            for (q = 0; q < 4; q++) {
+                __m256 xv = _mm256_loadu_ps(xb + 8 * q);
+                for (j = 0; j < R; j++) {
+                    const int8_t *b = (k < nfull ? wr[j] + 64 * k : tail[j]) + 32 * h + 8 * q;
+                    __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b));
+                    A[j][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xv, A[j][q]);
+                }
+            }
+        }
+        for (j = 0; j < R; j++)
+            for (q = 0; q < 4; q++)
+                a[j][4 * h + q] = A[j][q];
+    }
+    for (j = 0; j < R; j++)
+        y[j] = coli_q8_fold_avx2(a[j]);
+}
+
+COLI_T_AVX512 static void coli_q8_row3_avx512(const int8_t *const *wr, const float *x,
+                                              coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx512(wr, COLI_Q8_R512, x, cols, Lp, y);
+}
+COLI_T_AVX512 static void coli_q8_row1_avx512(const int8_t *const *wr, const float *x,
+                                              coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx512(wr, 1, x, cols, Lp, y);
+}
+COLI_T_AVX2 static void coli_q8_row2_avx2(const int8_t *const *wr, const float *x,
+                                          coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx2(wr, COLI_Q8_R256, x, cols, Lp, y);
+}
+COLI_T_AVX2 static void coli_q8_row1_avx2(const int8_t *const *wr, const float *x,
+                                          coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx2(wr, 1, x, cols, Lp, y);
+}
+
+/* Decode rows [r0, r1) at AVX2 / AVX-512: R streams of q rows each, then the rest one by one. */
+static void coli_q8_decode_x86(int level, const int8_t *w, const float *s, const float *xp,
+                               float *y, coli_idx r0, coli_idx r1, coli_idx cols, coli_idx Lp)
+{
+    const int R = level == COLI_AVX512 ? COLI_Q8_R512 : COLI_Q8_R256;
+    coli_idx q = (r1 - r0) / R, r;
+    const int8_t *wr[COLI_Q8_R512];
+    float v[COLI_Q8_R512];
+    int j;
+    for (r = r0; r < r0 + q; r++) {
+        for (j = 0; j < R; j++)
+            wr[j] = w + (r + j * q) * cols;
+        if (level == COLI_AVX512)
+            coli_q8_row3_avx512(wr, xp, cols, Lp, v);
+        else
+            coli_q8_row2_avx2(wr, xp, cols, Lp, v);
+        for (j = 0; j < R; j++)
+            y[r + j * q] = v[j] * s[r + j * q];
+    }
+    for (r = r0 + R * q; r < r1; r++) {
+        wr[0] = w + r * cols;
+        if (level == COLI_AVX512)
+            coli_q8_row1_avx512(wr, xp, cols, Lp, v);
+        else
+            coli_q8_row1_avx2(wr, xp, cols, Lp, v);
+        y[r] = v[0] * s[r];
+    }
+}
 #endif /* COLI_X86 */
 
 static size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp)
@@ -1240,6 +1387,9 @@ static size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp)
                       || (level == COLI_NEON && COLI_ARM))) ? (size_t)Lp : 0;
 }
 
+/* 0: decode through the one-row loops (kept for A/B benchmarks and the bit tests; same bits). */
+static int coli_q8_multirow = 1;
+
 /* Rows [r0, r1) for all T tokens; xp from coli_q8_prep; U: Lp floats (prefill, SIMD levels). */
 static void coli_q8_rows(int level, const int8_t *w, const float *s, const float *xp, float *y,
                          float *U, coli_idx r0, coli_idx r1, coli_idx T, coli_idx O,
@@ -1247,6 +1397,12 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
 {
     coli_idx r, t;
     (void)level;
+#if COLI_X86
+    if (T == 1 && coli_q8_multirow && (level == COLI_AVX2 || level == COLI_AVX512)) {
+        coli_q8_decode_x86(level, w, s, xp, y, r0, r1, cols, Lp);
+        return;
+    }
+#endif
     for (r = r0; r < r1; r++) {
         const int8_t *wr = w + r * cols;
 #if COLI_X86

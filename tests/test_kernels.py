@@ -101,6 +101,32 @@ def test_q8_matches_reference(O, cols, T, variant):
     _close8(qm.q8_matmul(x, q.view(np.int8), s), x, q, s)   # int8 memory is accepted as well
 
 
+@pytest.mark.parametrize("O", [1, 2, 3, 4, 5, 7, 64, 65, 130, 193, 700])
+def test_q8_multirow_decode_bits(O, variant):
+    """The multi-row int8 decode kernel (several row streams per pass) gives exactly the bits of
+    the one-row loop it replaced and of the prefill kernel, for rows that are not a multiple of
+    its row count or the block, cols that are not a multiple of 64 / 128 (the padded tail), and
+    1 or 2 threads."""
+    rng = np.random.default_rng(O)
+    for cols in (1, 15, 63, 64, 65, 127, 128, 129, 300, 1000, 2049):
+        w = rng.integers(-128, 128, size=(O, cols), dtype=np.int8)
+        s = rng.uniform(0.001, 1.0, O).astype(np.float32)
+        x = rng.standard_normal(cols).astype(np.float32)
+        got = {}
+        try:
+            for nt in (1, 2):
+                qm.set_num_threads(nt)
+                for on in (False, True):
+                    qm._set_q8_multirow(on)
+                    got[nt, on] = qm.q8_matmul(x, w, s).view(np.int32)
+        finally:
+            qm._set_q8_multirow(True)
+        pf = qm.q8_matmul(np.stack([x, -x, x]), w, s)[2].view(np.int32)
+        for k, v in got.items():
+            assert np.array_equal(v, pf), (cols, k)
+        _close8(qm.q8_matmul(x[None], w.view(np.uint8), s), x[None], w.view(np.uint8), s)
+
+
 def test_q4_extreme_nibbles(variant):
     """All 16 nibble values, both nibble positions, a scale per group."""
     rng = np.random.default_rng(1)
