@@ -631,6 +631,85 @@ COLI_T_AVX512 static float coli_q4_row_avx512(const uint8_t *w, const float *s, 
     }
 }
 
+/* Decode, two rows per pass (rows r and r + half of the block, as the AVX2 lane kernel): one x
+ * load feeds both rows, two row streams far apart, each prefetched COLI_Q4_AHEAD bytes ahead in
+ * software.  The nibbles become floats through a 16-entry table (vpermps reads the low 4 bits of
+ * each 32-bit lane: float(b & 15) without the and, float(b >> 4) after the shift) -- the same
+ * floats as the convert of coli_q4_group_avx512, and every row sees exactly its operations in its
+ * order, so the bits are those of coli_q4_row_avx512 (and of the prefill kernels). */
+enum { COLI_Q4_AHEAD = 1024 };
+
+COLI_T_AVX512 COLI_INLINE void coli_q4_row2_avx512_g(const uint8_t *w1, const uint8_t *w2,
+                                                     const float *s1, const float *s2,
+                                                     const float *xo, const float *gi, coli_idx nb,
+                                                     coli_idx ng, coli_idx gs, float *y1, float *y2)
+{
+    const __m512 tab = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f,
+                                      11.f, 12.f, 13.f, 14.f, 15.f);
+    coli_idx gb = gs / 2, g, c, nch = gb / 16, gst = coli_q4_gstride(gs), p;
+    coli_idx nfull = nb == ng * gb ? ng : ng - 1;   /* groups that are whole in memory */
+    __m512 acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+    uint8_t buf1[16], buf2[16];
+    for (g = 0; g < ng; g++) {
+        const uint8_t *wg1 = w1 + g * gb, *wg2 = w2 + g * gb;
+        const float *xg = xo + g * gs, *gg = gi + g * gst;
+        coli_idx avail = g < nfull ? gb : nb - g * gb;
+        __m512 a0 = _mm512_loadu_ps(gg), a1 = _mm512_setzero_ps(), c0 = a0, c1 = a1;
+        for (p = (g * gb + 63) & ~(coli_idx)63; p < (g + 1) * gb; p += 64) {
+            _mm_prefetch((const char *)(w1 + p) + COLI_Q4_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + p) + COLI_Q4_AHEAD, _MM_HINT_T0);
+        }
+        for (c = 0; c < nch; c++) {
+            const uint8_t *b1 = g < nfull ? wg1 + 16 * c : coli_chunk(wg1, c, 16, avail, buf1);
+            const uint8_t *b2 = g < nfull ? wg2 + 16 * c : coli_chunk(wg2, c, 16, avail, buf2);
+            __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b1));
+            __m512i d2 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b2));
+            __m512 xl = _mm512_loadu_ps(xg + 32 * c), xh = _mm512_loadu_ps(xg + 32 * c + 16);
+            if (c && c % 2 == 0) {   /* a new 64-element block: its "- 8" term */
+                __m512 t = _mm512_loadu_ps(gg + COLI_GINIT * (c / 2));
+                a0 = _mm512_add_ps(a0, t);
+                c0 = _mm512_add_ps(c0, t);
+            }
+            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d1, tab), xl, a0);
+            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), tab), xh, a1);
+            c0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d2, tab), xl, c0);
+            c1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d2, 4), tab), xh, c1);
+        }
+        acc1 = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), _mm512_set1_ps(s1[g]), acc1);
+        acc2 = _mm512_fmadd_ps(_mm512_add_ps(c0, c1), _mm512_set1_ps(s2[g]), acc2);
+    }
+    *y1 = coli_hsum512(acc1);
+    *y2 = coli_hsum512(acc2);
+}
+
+COLI_T_AVX512 static void coli_q4_row2_avx512(const uint8_t *w1, const uint8_t *w2,
+                                              const float *s1, const float *s2, const float *xo,
+                                              const float *gi, coli_idx nb, coli_idx ng,
+                                              coli_idx gs, float *y1, float *y2)
+{
+    switch (gs) {
+    case 32: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, 32, y1, y2); break;
+    case 64: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, 64, y1, y2); break;
+    case 128: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, 128, y1, y2); break;
+    default: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, gs, y1, y2); break;
+    }
+}
+
+/* Decode rows [r0, r1): row r with row r + half (a lone middle row pairs with itself). */
+COLI_T_AVX512 static void coli_q4_rows2_avx512(const uint8_t *w, const float *s, const float *xp,
+                                               const float *gi, float *y, coli_idx r0,
+                                               coli_idx r1, coli_idx nb, coli_idx ng, coli_idx gs)
+{
+    coli_idx half = (r1 - r0 + 1) / 2, r;
+    for (r = r0; r < r0 + half; r++) {
+        coli_idx r2 = r + half < r1 ? r + half : r;
+        float y2;
+        coli_q4_row2_avx512(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xp, gi, nb, ng, gs,
+                            y + r, &y2);
+        y[r2] = y2;
+    }
+}
+
 /* U[32 c + j] = float(lo nibble of byte 16c + j), U[32 c + 16 + j] = float(hi). */
 COLI_T_AVX512 static void coli_q4_unpack_avx512(const uint8_t *w, float *U, coli_idx nb,
                                                 coli_idx L)
@@ -1022,6 +1101,9 @@ static float coli_q4_fin(int lv, const float *A)
 
 enum { COLI_TILE = 256 };   /* prefill: elements per column tile (x and U tiles stay in L1) */
 
+/* 0: AVX-512 decode through the one-row loop (kept for A/B benchmarks and the bit tests). */
+static int coli_q4_multirow = 1;
+
 static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *xp,
                          const float *gi, float *y, float *U, coli_idx r0, coli_idx r1,
                          coli_idx T, coli_idx O, coli_idx nb, coli_idx ng, coli_idx gs)
@@ -1059,6 +1141,10 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
 #if COLI_X86
     if (T == 1 && coli_q4_lanes(lv, gs)) {
         coli_q4_rows_lanes(w, s, xp, gi, y, r0, r1, nb, ng, gs);
+        return;
+    }
+    if (T == 1 && lv == COLI_AVX512 && coli_q4_multirow) {
+        coli_q4_rows2_avx512(w, s, xp, gi, y, r0, r1, nb, ng, gs);
         return;
     }
 #endif

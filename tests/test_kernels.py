@@ -127,6 +127,31 @@ def test_q8_multirow_decode_bits(O, variant):
         _close8(qm.q8_matmul(x[None], w.view(np.uint8), s), x[None], w.view(np.uint8), s)
 
 
+@pytest.mark.parametrize("gs", [32, 64, 128, 256])
+def test_q4_multirow_decode_bits(gs, variant):
+    """The two-row AVX-512 int4 decode pass (table conversion, prefetch) gives exactly the bits of
+    the one-row loop it replaced and of the prefill kernel: odd row counts (a lone middle row),
+    cols that end inside a group or a chunk, 1 or 2 threads. (At other levels both settings run
+    the same code.)"""
+    rng = np.random.default_rng(gs)
+    for O, cols in ((1, gs), (2, 2 * gs), (3, 2 * gs - 2), (5, 2 * gs + 2), (65, 1000), (300, 2048),
+                    (7, 33), (4, 1)):
+        x, w, s = _int4_case(rng, O, cols, gs, 1)
+        got = {}
+        try:
+            for nt in (1, 2):
+                qm.set_num_threads(nt)
+                for on in (False, True):
+                    qm._set_q4_multirow(on)
+                    got[nt, on] = qm.q4_matmul(x, w, s, cols, gs).view(np.int32)
+        finally:
+            qm._set_q4_multirow(True)
+        pf = qm.q4_matmul(np.concatenate([x, -x, x]), w, s, cols, gs)[2:].view(np.int32)
+        for k, v in got.items():
+            assert np.array_equal(v, pf), (O, cols, k)
+        _close4(qm.q4_matmul(x, w, s, cols, gs), x, w, s, cols, gs)
+
+
 def test_q4_extreme_nibbles(variant):
     """All 16 nibble values, both nibble positions, a scale per group."""
     rng = np.random.default_rng(1)
