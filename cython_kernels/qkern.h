@@ -42,6 +42,8 @@
  * int8 (per-row scale): x is copied to a zero-padded buffer; per row, 8 vector accumulators over
  * blocks of 8 * VL bytes (a short last block is copied to a zeroed buffer), folded by a fixed
  * tree, times s[o].  Prefill unpacks the row to floats and runs the same operations per token.
+ * AVX2 / AVX-512 decode runs several rows per pass (coli_q8_decode_x86), each row with exactly
+ * those operations.
  */
 #ifndef COLI_QKERN_H
 #define COLI_QKERN_H
@@ -324,6 +326,12 @@ static inline const uint8_t *coli_chunk(const uint8_t *wg, coli_idx c, coli_idx 
     return buf;
 }
 
+/* Decode streams are prefetched this many bytes ahead in software (the hardware prefetcher
+ * stops at each 4 KiB page).  coli_q4_multirow = 0 (benchmarks and bit tests only) runs decode
+ * as before: AVX-512 through its one-row loop, the AVX2 lane kernel without the prefetches. */
+enum { COLI_Q4_AHEAD = 1024 };
+static int coli_q4_multirow = 1;
+
 /* ---- int4: AVX2 ------------------------------------------------------------------------------ */
 #if COLI_X86
 
@@ -441,6 +449,10 @@ COLI_T_AVX2 COLI_INLINE void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t
     if (gs == 64)
         for (; g < nfull; g++) {
             const float *xb = xo + 64 * g;
+            if (coli_q4_multirow && !(g & 1)) {   /* one prefetch per 64 bytes of each stream */
+                _mm_prefetch((const char *)(w1 + 32 * g) + COLI_Q4_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w2 + 32 * g) + COLI_Q4_AHEAD, _MM_HINT_T0);
+            }
             __m256i d1 = _mm256_loadu_si256((const __m256i *)(w1 + 32 * g));
             __m256i d2 = _mm256_loadu_si256((const __m256i *)(w2 + 32 * g));
             __m256 a0 = _mm256_loadu_ps(gi + COLI_GINIT * g), a1 = _mm256_setzero_ps();
@@ -637,8 +649,6 @@ COLI_T_AVX512 static float coli_q4_row_avx512(const uint8_t *w, const float *s, 
  * each 32-bit lane: float(b & 15) without the and, float(b >> 4) after the shift) -- the same
  * floats as the convert of coli_q4_group_avx512, and every row sees exactly its operations in its
  * order, so the bits are those of coli_q4_row_avx512 (and of the prefill kernels). */
-enum { COLI_Q4_AHEAD = 1024 };
-
 COLI_T_AVX512 COLI_INLINE void coli_q4_row2_avx512_g(const uint8_t *w1, const uint8_t *w2,
                                                      const float *s1, const float *s2,
                                                      const float *xo, const float *gi, coli_idx nb,
@@ -1100,9 +1110,6 @@ static float coli_q4_fin(int lv, const float *A)
 }
 
 enum { COLI_TILE = 256 };   /* prefill: elements per column tile (x and U tiles stay in L1) */
-
-/* 0: AVX-512 decode through the one-row loop (kept for A/B benchmarks and the bit tests). */
-static int coli_q4_multirow = 1;
 
 static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *xp,
                          const float *gi, float *y, float *U, coli_idx r0, coli_idx r1,
