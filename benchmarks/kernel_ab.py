@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=1, help="rows of x (T)")
     ap.add_argument("--kind", choices=("int8", "int4"), default="int8")
     ap.add_argument("--simd", default="auto", help="SIMD variant (default: the dispatcher's)")
+    ap.add_argument("--bw-mib", type=int, default=1024, help="array size of the bandwidth reading")
     a = ap.parse_args(argv)
     if a.simd not in ("auto", *qm.simd_variants()):
         raise SystemExit(f"error: --simd {a.simd!r} is not one of auto, {', '.join(qm.simd_variants())}")
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
         ref = None
         for rnd in range(a.rounds):
             for t in threads:
-                bw[t] = max(bw[t], ram_read_gbps(t, repeats=2))
+                bw[t] = max(bw[t], ram_read_gbps(t, nbytes=a.bw_mib << 20, repeats=2))
                 qm.set_num_threads(t)
                 for name, on in (("old", False), ("new", True)) if rnd % 2 == 0 else \
                         (("new", True), ("old", False)):

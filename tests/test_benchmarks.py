@@ -111,3 +111,15 @@ def test_streaming_benchmark_takes_a_geometry(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "FAILED" not in out and "GLM-4.5-Air" in out
     assert sum(l.startswith(("prefetch off", "prefetch on")) for l in out.splitlines()) == 2
+
+
+def test_kernel_ab_compares_old_and_new_decode_kernels(capsys):
+    import pytest
+    pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
+    from benchmarks.kernel_ab import main
+    for kind in ("int8", "int4"):
+        main(["--kind", kind, "--shapes", "70x200", "--threads", "1,2", "--rounds", "2",
+              "--calls", "1", "--bw-mib", "8"])
+        rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.strip().startswith("70x200")]
+        assert [r[1] for r in rows] == ["1", "2"]
+        assert all(float(r[2]) >= 0 and float(r[4]) >= 0 for r in rows)   # old, new GB/s
