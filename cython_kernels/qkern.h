@@ -1444,6 +1444,109 @@ COLI_T_AVX2 static void coli_q8_row1_avx2(const int8_t *const *wr, const float *
     coli_q8_rown_avx2(wr, 1, x, cols, Lp, y);
 }
 
+/* A few tokens (2 .. COLI_Q8_TMAX) per row without the unpacked-row buffer: each block of
+ * weights is widened and converted once and multiplied into every token's accumulators, which
+ * see exactly the operations of coli_q8_pf_<level> (the bits of prefill and decode).  AVX-512
+ * runs accumulators 0-3 then 4-7 (4 x T of the 32 registers), AVX2 two at a time (four passes,
+ * the row from L1 after the first). */
+enum { COLI_Q8_TMAX = 4 };
+
+COLI_T_AVX512 COLI_INLINE void coli_q8_fewtok_avx512_t(const int8_t *w, const float *xp, const coli_idx T,
+                                                coli_idx cols, coli_idx Lp, float *v)
+{
+    __m512 a[COLI_Q8_TMAX][8];
+    int8_t tail[128];
+    coli_idx k, nfull = cols / 128, t;
+    int q, h, part = 128 * nfull < Lp;
+    if (part) {
+        memset(tail, 0, sizeof(tail));
+        memcpy(tail, w + 128 * nfull, (size_t)(cols - 128 * nfull));
+    }
+    for (h = 0; h < 2; h++) {
+        __m512 A[COLI_Q8_TMAX][4];
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 4; q++)
+                A[t][q] = _mm512_setzero_ps();
+        for (k = 0; k < nfull + part; k++) {
+            const int8_t *b = (k < nfull ? w + 128 * k : tail) + 64 * h;
+            if (h == 0) {
+                _mm_prefetch((const char *)(w + 128 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + 128 * k) + COLI_Q8_AHEAD + 64, _MM_HINT_T0);
+            }
+            for (q = 0; q < 4; q++) {
+                __m512 u = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * q))));
+                for (t = 0; t < T; t++)
+                    A[t][q] = _mm512_fmadd_ps(u, _mm512_loadu_ps(xp + t * Lp + 128 * k + 64 * h
+                                                                 + 16 * q), A[t][q]);
+            }
+        }
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 4; q++)
+                a[t][4 * h + q] = A[t][q];
+    }
+    for (t = 0; t < T; t++)
+        v[t] = coli_q8_fold_avx512(a[t]);
+}
+
+/* T as a constant, so the accumulators stay in registers. */
+COLI_T_AVX512 static void coli_q8_fewtok_avx512(const int8_t *w, const float *xp, coli_idx T,
+                                                coli_idx cols, coli_idx Lp, float *v)
+{
+    switch (T) {
+    case 2: coli_q8_fewtok_avx512_t(w, xp, 2, cols, Lp, v); break;
+    case 3: coli_q8_fewtok_avx512_t(w, xp, 3, cols, Lp, v); break;
+    default: coli_q8_fewtok_avx512_t(w, xp, 4, cols, Lp, v); break;
+    }
+}
+
+COLI_T_AVX2 COLI_INLINE void coli_q8_fewtok_avx2_t(const int8_t *w, const float *xp, const coli_idx T,
+                                            coli_idx cols, coli_idx Lp, float *v)
+{
+    __m256 a[COLI_Q8_TMAX][8];
+    int8_t tail[64];
+    coli_idx k, nfull = cols / 64, t;
+    int q, h, part = 64 * nfull < Lp;
+    if (part) {
+        memset(tail, 0, sizeof(tail));
+        memcpy(tail, w + 64 * nfull, (size_t)(cols - 64 * nfull));
+    }
+    for (h = 0; h < 4; h++) {
+        __m256 A[COLI_Q8_TMAX][2];
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 2; q++)
+                A[t][q] = _mm256_setzero_ps();
+        for (k = 0; k < nfull + part; k++) {
+            const int8_t *b = (k < nfull ? w + 64 * k : tail) + 16 * h;
+            if (h == 0)
+                _mm_prefetch((const char *)(w + 64 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+            for (q = 0; q < 2; q++) {
+                __m256 u = _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * q))));
+                for (t = 0; t < T; t++)
+                    A[t][q] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xp + t * Lp + 64 * k + 16 * h
+                                                                 + 8 * q), A[t][q]);
+            }
+        }
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 2; q++)
+                a[t][2 * h + q] = A[t][q];
+    }
+    for (t = 0; t < T; t++)
+        v[t] = coli_q8_fold_avx2(a[t]);
+}
+
+/* T as a constant, so the accumulators stay in registers. */
+COLI_T_AVX2 static void coli_q8_fewtok_avx2(const int8_t *w, const float *xp, coli_idx T,
+                                            coli_idx cols, coli_idx Lp, float *v)
+{
+    switch (T) {
+    case 2: coli_q8_fewtok_avx2_t(w, xp, 2, cols, Lp, v); break;
+    case 3: coli_q8_fewtok_avx2_t(w, xp, 3, cols, Lp, v); break;
+    default: coli_q8_fewtok_avx2_t(w, xp, 4, cols, Lp, v); break;
+    }
+}
+
 /* Decode rows [r0, r1) at AVX2 / AVX-512: R streams of q rows each, then the rest one by one. */
 static void coli_q8_decode_x86(int level, const int8_t *w, const float *s, const float *xp,
                                float *y, coli_idx r0, coli_idx r1, coli_idx cols, coli_idx Lp)
@@ -1493,6 +1596,19 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
 #if COLI_X86
     if (T == 1 && coli_q8_multirow && (level == COLI_AVX2 || level == COLI_AVX512)) {
         coli_q8_decode_x86(level, w, s, xp, y, r0, r1, cols, Lp);
+        return;
+    }
+    if (T > 1 && T <= COLI_Q8_TMAX && coli_q8_multirow
+        && (level == COLI_AVX2 || level == COLI_AVX512)) {
+        float v[COLI_Q8_TMAX];
+        for (r = r0; r < r1; r++) {
+            if (level == COLI_AVX512)
+                coli_q8_fewtok_avx512(w + r * cols, xp, T, cols, Lp, v);
+            else
+                coli_q8_fewtok_avx2(w + r * cols, xp, T, cols, Lp, v);
+            for (t = 0; t < T; t++)
+                y[t * O + r] = v[t] * s[r];
+        }
         return;
     }
 #endif

@@ -103,10 +103,10 @@ def test_q8_matches_reference(O, cols, T, variant):
 
 @pytest.mark.parametrize("O", [1, 2, 3, 4, 5, 7, 64, 65, 130, 193, 700])
 def test_q8_multirow_decode_bits(O, variant):
-    """The multi-row int8 decode kernel (several row streams per pass) gives exactly the bits of
-    the one-row loop it replaced and of the prefill kernel, for rows that are not a multiple of
-    its row count or the block, cols that are not a multiple of 64 / 128 (the padded tail), and
-    1 or 2 threads."""
+    """The multi-row int8 decode kernel (several row streams per pass) and the few-token kernel
+    (T = 2..4) give exactly the bits of the one-row loop and the unpacked-row prefill they
+    replaced, for rows that are not a multiple of the row count or the block, cols that are not a
+    multiple of 64 / 128 (the padded tail), and 1 or 2 threads."""
     rng = np.random.default_rng(O)
     for cols in (1, 15, 63, 64, 65, 127, 128, 129, 300, 1000, 2049):
         w = rng.integers(-128, 128, size=(O, cols), dtype=np.int8)
@@ -124,6 +124,17 @@ def test_q8_multirow_decode_bits(O, variant):
         pf = qm.q8_matmul(np.stack([x, -x, x]), w, s)[2].view(np.int32)
         for k, v in got.items():
             assert np.array_equal(v, pf), (cols, k)
+        # a few tokens (the direct few-token kernel, T <= 4) and more (the unpacked rows) give
+        # each token's decode bits, as the unpacked-row path does
+        X = rng.standard_normal((5, cols)).astype(np.float32)
+        one = np.stack([qm.q8_matmul(X[t], w, s) for t in range(5)]).view(np.int32)
+        try:
+            for on in (False, True):
+                qm._set_q8_multirow(on)
+                for T in (2, 3, 4, 5):
+                    assert np.array_equal(qm.q8_matmul(X[:T], w, s).view(np.int32), one[:T]), (cols, T, on)
+        finally:
+            qm._set_q8_multirow(True)
         _close8(qm.q8_matmul(x[None], w.view(np.uint8), s), x[None], w.view(np.uint8), s)
 
 
