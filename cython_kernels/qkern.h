@@ -42,8 +42,9 @@
  * int8 (per-row scale): x is copied to a zero-padded buffer; per row, 8 vector accumulators over
  * blocks of 8 * VL bytes (a short last block is copied to a zeroed buffer), folded by a fixed
  * tree, times s[o].  Prefill unpacks the row to floats and runs the same operations per token.
- * AVX2 / AVX-512 decode runs several rows per pass (coli_q8_decode_x86), each row with exactly
- * those operations.
+ * AVX2 / AVX-512 decode runs several rows per pass (coli_q8_decode_x86), and 2-4 tokens go
+ * straight from the packed row (coli_q8_fewtok_<level>), each row and token with exactly those
+ * operations.
  */
 #ifndef COLI_QKERN_H
 #define COLI_QKERN_H
