@@ -42,6 +42,9 @@
  * int8 (per-row scale): x is copied to a zero-padded buffer; per row, 8 vector accumulators over
  * blocks of 8 * VL bytes (a short last block is copied to a zeroed buffer), folded by a fixed
  * tree, times s[o].  Prefill unpacks the row to floats and runs the same operations per token.
+ * AVX2 / AVX-512 decode runs several rows per pass (coli_q8_decode_x86), and 2-4 tokens go
+ * straight from the packed row (coli_q8_fewtok_<level>), each row and token with exactly those
+ * operations.
  */
 #ifndef COLI_QKERN_H
 #define COLI_QKERN_H
@@ -324,6 +327,12 @@ static inline const uint8_t *coli_chunk(const uint8_t *wg, coli_idx c, coli_idx 
     return buf;
 }
 
+/* Decode streams are prefetched this many bytes ahead in software (the hardware prefetcher
+ * stops at each 4 KiB page).  coli_q4_multirow = 0 (benchmarks and bit tests only) runs decode
+ * as before: AVX-512 through its one-row loop, the AVX2 lane kernel without the prefetches. */
+enum { COLI_Q4_AHEAD = 1024 };
+static int coli_q4_multirow = 1;
+
 /* ---- int4: AVX2 ------------------------------------------------------------------------------ */
 #if COLI_X86
 
@@ -441,6 +450,10 @@ COLI_T_AVX2 COLI_INLINE void coli_q4_row2_lanes(const uint8_t *w1, const uint8_t
     if (gs == 64)
         for (; g < nfull; g++) {
             const float *xb = xo + 64 * g;
+            if (coli_q4_multirow && !(g & 1)) {   /* one prefetch per 64 bytes of each stream */
+                _mm_prefetch((const char *)(w1 + 32 * g) + COLI_Q4_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w2 + 32 * g) + COLI_Q4_AHEAD, _MM_HINT_T0);
+            }
             __m256i d1 = _mm256_loadu_si256((const __m256i *)(w1 + 32 * g));
             __m256i d2 = _mm256_loadu_si256((const __m256i *)(w2 + 32 * g));
             __m256 a0 = _mm256_loadu_ps(gi + COLI_GINIT * g), a1 = _mm256_setzero_ps();
@@ -628,6 +641,83 @@ COLI_T_AVX512 static float coli_q4_row_avx512(const uint8_t *w, const float *s, 
     case 64: return coli_q4_row_avx512_g(w, s, xo, gi, nb, ng, 64);
     case 128: return coli_q4_row_avx512_g(w, s, xo, gi, nb, ng, 128);
     default: return coli_q4_row_avx512_g(w, s, xo, gi, nb, ng, gs);
+    }
+}
+
+/* Decode, two rows per pass (rows r and r + half of the block, as the AVX2 lane kernel): one x
+ * load feeds both rows, two row streams far apart, each prefetched COLI_Q4_AHEAD bytes ahead in
+ * software.  The nibbles become floats through a 16-entry table (vpermps reads the low 4 bits of
+ * each 32-bit lane: float(b & 15) without the and, float(b >> 4) after the shift) -- the same
+ * floats as the convert of coli_q4_group_avx512, and every row sees exactly its operations in its
+ * order, so the bits are those of coli_q4_row_avx512 (and of the prefill kernels). */
+COLI_T_AVX512 COLI_INLINE void coli_q4_row2_avx512_g(const uint8_t *w1, const uint8_t *w2,
+                                                     const float *s1, const float *s2,
+                                                     const float *xo, const float *gi, coli_idx nb,
+                                                     coli_idx ng, coli_idx gs, float *y1, float *y2)
+{
+    const __m512 tab = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f,
+                                      11.f, 12.f, 13.f, 14.f, 15.f);
+    coli_idx gb = gs / 2, g, c, nch = gb / 16, gst = coli_q4_gstride(gs), p;
+    coli_idx nfull = nb == ng * gb ? ng : ng - 1;   /* groups that are whole in memory */
+    __m512 acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+    uint8_t buf1[16], buf2[16];
+    for (g = 0; g < ng; g++) {
+        const uint8_t *wg1 = w1 + g * gb, *wg2 = w2 + g * gb;
+        const float *xg = xo + g * gs, *gg = gi + g * gst;
+        coli_idx avail = g < nfull ? gb : nb - g * gb;
+        __m512 a0 = _mm512_loadu_ps(gg), a1 = _mm512_setzero_ps(), c0 = a0, c1 = a1;
+        for (p = (g * gb + 63) & ~(coli_idx)63; p < (g + 1) * gb; p += 64) {
+            _mm_prefetch((const char *)(w1 + p) + COLI_Q4_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + p) + COLI_Q4_AHEAD, _MM_HINT_T0);
+        }
+        for (c = 0; c < nch; c++) {
+            const uint8_t *b1 = g < nfull ? wg1 + 16 * c : coli_chunk(wg1, c, 16, avail, buf1);
+            const uint8_t *b2 = g < nfull ? wg2 + 16 * c : coli_chunk(wg2, c, 16, avail, buf2);
+            __m512i d1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b1));
+            __m512i d2 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b2));
+            __m512 xl = _mm512_loadu_ps(xg + 32 * c), xh = _mm512_loadu_ps(xg + 32 * c + 16);
+            if (c && c % 2 == 0) {   /* a new 64-element block: its "- 8" term */
+                __m512 t = _mm512_loadu_ps(gg + COLI_GINIT * (c / 2));
+                a0 = _mm512_add_ps(a0, t);
+                c0 = _mm512_add_ps(c0, t);
+            }
+            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d1, tab), xl, a0);
+            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), tab), xh, a1);
+            c0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d2, tab), xl, c0);
+            c1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d2, 4), tab), xh, c1);
+        }
+        acc1 = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), _mm512_set1_ps(s1[g]), acc1);
+        acc2 = _mm512_fmadd_ps(_mm512_add_ps(c0, c1), _mm512_set1_ps(s2[g]), acc2);
+    }
+    *y1 = coli_hsum512(acc1);
+    *y2 = coli_hsum512(acc2);
+}
+
+COLI_T_AVX512 static void coli_q4_row2_avx512(const uint8_t *w1, const uint8_t *w2,
+                                              const float *s1, const float *s2, const float *xo,
+                                              const float *gi, coli_idx nb, coli_idx ng,
+                                              coli_idx gs, float *y1, float *y2)
+{
+    switch (gs) {
+    case 32: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, 32, y1, y2); break;
+    case 64: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, 64, y1, y2); break;
+    case 128: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, 128, y1, y2); break;
+    default: coli_q4_row2_avx512_g(w1, w2, s1, s2, xo, gi, nb, ng, gs, y1, y2); break;
+    }
+}
+
+/* Decode rows [r0, r1): row r with row r + half (a lone middle row pairs with itself). */
+COLI_T_AVX512 static void coli_q4_rows2_avx512(const uint8_t *w, const float *s, const float *xp,
+                                               const float *gi, float *y, coli_idx r0,
+                                               coli_idx r1, coli_idx nb, coli_idx ng, coli_idx gs)
+{
+    coli_idx half = (r1 - r0 + 1) / 2, r;
+    for (r = r0; r < r0 + half; r++) {
+        coli_idx r2 = r + half < r1 ? r + half : r;
+        float y2;
+        coli_q4_row2_avx512(w + r * nb, w + r2 * nb, s + r * ng, s + r2 * ng, xp, gi, nb, ng, gs,
+                            y + r, &y2);
+        y[r2] = y2;
     }
 }
 
@@ -1061,6 +1151,10 @@ static void coli_q4_rows(int lv, const uint8_t *w, const float *s, const float *
         coli_q4_rows_lanes(w, s, xp, gi, y, r0, r1, nb, ng, gs);
         return;
     }
+    if (T == 1 && lv == COLI_AVX512 && coli_q4_multirow) {
+        coli_q4_rows2_avx512(w, s, xp, gi, y, r0, r1, nb, ng, gs);
+        return;
+    }
 #endif
     for (r = r0; r < r1; r++) {
         const uint8_t *wr = w + r * nb;
@@ -1232,6 +1326,256 @@ COLI_T_AVX512 static float coli_q8_pf_avx512(const float *U, const float *x, col
                                    a[q]);
     return coli_q8_fold_avx512(a);
 }
+
+/* ---- int8 decode (T == 1): several rows per pass ----
+ * The one-row loop above ran at 0.5-0.7 of the read bandwidth on big matrices (the lm_head):
+ * one row stream per thread, and the hardware prefetcher stops at every 4 KiB page.  These read
+ * R rows at once from R streams far apart (rows r, r + q, r + 2q, .. of the block), prefetch each
+ * stream COLI_Q8_AHEAD bytes ahead in software, and share every x load between the rows.  Each
+ * row keeps exactly the accumulators, block order and fold of coli_q8_row_<level> (so the bits
+ * are those of the one-row loop and of the prefill kernels): AVX-512 runs 3 rows x 8
+ * accumulators in one pass (24 of the 32 zmm registers); AVX2 (16 ymm) runs 2 rows in two
+ * passes, accumulators 0-3 over the whole row and then 4-7 (the second pass reads the rows
+ * from L1: an accumulator's sequence of operations does not depend on the loop order around
+ * it).  A last partial block goes through a zero-padded copy, as in the one-row loop. */
+enum { COLI_Q8_AHEAD = 1024, COLI_Q8_R512 = 3, COLI_Q8_R256 = 2 };
+
+COLI_T_AVX512 COLI_INLINE void coli_q8_rown_avx512(const int8_t *const *wr, const int R,
+                                                   const float *x, coli_idx cols, coli_idx Lp,
+                                                   float *y)
+{
+    __m512 a[COLI_Q8_R512][8];
+    int8_t tail[COLI_Q8_R512][128];
+    coli_idx k, nfull = cols / 128;
+    int j, q;
+    for (j = 0; j < R; j++)
+        for (q = 0; q < 8; q++)
+            a[j][q] = _mm512_setzero_ps();
+    for (k = 0; k < nfull; k++) {
+        const float *xb = x + 128 * k;
+        for (j = 0; j < R; j++) {
+            _mm_prefetch((const char *)(wr[j] + 128 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr[j] + 128 * k) + COLI_Q8_AHEAD + 64, _MM_HINT_T0);
+        }
+        for (q = 0; q < 8; q++) {
+            __m512 xv = _mm512_loadu_ps(xb + 16 * q);
+            for (j = 0; j < R; j++) {
+                __m512i d = _mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(wr[j] + 128 * k + 16 * q)));
+                a[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xv, a[j][q]);
+            }
+        }
+    }
+    if (128 * nfull < Lp) {
+        const float *xb = x + 128 * nfull;
+        for (j = 0; j < R; j++) {
+            memset(tail[j], 0, sizeof(tail[j]));
+            memcpy(tail[j], wr[j] + 128 * nfull, (size_t)(cols - 128 * nfull));
+        }
+        for (q = 0; q < 8; q++) {
+            __m512 xv = _mm512_loadu_ps(xb + 16 * q);
+            for (j = 0; j < R; j++) {
+                __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tail[j] + 16 * q)));
+                a[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xv, a[j][q]);
+            }
+        }
+    }
+    for (j = 0; j < R; j++)
+        y[j] = coli_q8_fold_avx512(a[j]);
+}
+
+COLI_T_AVX2 COLI_INLINE void coli_q8_rown_avx2(const int8_t *const *wr, const int R,
+                                               const float *x, coli_idx cols, coli_idx Lp,
+                                               float *y)
+{
+    __m256 a[COLI_Q8_R256][8];
+    int8_t tail[COLI_Q8_R256][64];
+    coli_idx k, nfull = cols / 64;
+    int j, q, h, part = 64 * nfull < Lp;
+    if (part)
+        for (j = 0; j < R; j++) {
+            memset(tail[j], 0, sizeof(tail[j]));
+            memcpy(tail[j], wr[j] + 64 * nfull, (size_t)(cols - 64 * nfull));
+        }
+    for (h = 0; h < 2; h++) {
+        __m256 A[COLI_Q8_R256][4];
+        for (j = 0; j < R; j++)
+            for (q = 0; q < 4; q++)
+                A[j][q] = _mm256_setzero_ps();
+        for (k = 0; k < nfull + part; k++) {
+            const float *xb = x + 64 * k + 32 * h;
+            for (j = 0; j < R; j++)
+                if (h == 0)
+                    _mm_prefetch((const char *)(wr[j] + 64 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+            for (q = 0; q < 4; q++) {
+                __m256 xv = _mm256_loadu_ps(xb + 8 * q);
+                for (j = 0; j < R; j++) {
+                    const int8_t *b = (k < nfull ? wr[j] + 64 * k : tail[j]) + 32 * h + 8 * q;
+                    __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b));
+                    A[j][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xv, A[j][q]);
+                }
+            }
+        }
+        for (j = 0; j < R; j++)
+            for (q = 0; q < 4; q++)
+                a[j][4 * h + q] = A[j][q];
+    }
+    for (j = 0; j < R; j++)
+        y[j] = coli_q8_fold_avx2(a[j]);
+}
+
+COLI_T_AVX512 static void coli_q8_row3_avx512(const int8_t *const *wr, const float *x,
+                                              coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx512(wr, COLI_Q8_R512, x, cols, Lp, y);
+}
+COLI_T_AVX512 static void coli_q8_row1_avx512(const int8_t *const *wr, const float *x,
+                                              coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx512(wr, 1, x, cols, Lp, y);
+}
+COLI_T_AVX2 static void coli_q8_row2_avx2(const int8_t *const *wr, const float *x,
+                                          coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx2(wr, COLI_Q8_R256, x, cols, Lp, y);
+}
+COLI_T_AVX2 static void coli_q8_row1_avx2(const int8_t *const *wr, const float *x,
+                                          coli_idx cols, coli_idx Lp, float *y)
+{
+    coli_q8_rown_avx2(wr, 1, x, cols, Lp, y);
+}
+
+/* A few tokens (2 .. COLI_Q8_TMAX) per row without the unpacked-row buffer: each block of
+ * weights is widened and converted once and multiplied into every token's accumulators, which
+ * see exactly the operations of coli_q8_pf_<level> (the bits of prefill and decode).  AVX-512
+ * runs accumulators 0-3 then 4-7 (4 x T of the 32 registers), AVX2 two at a time (four passes,
+ * the row from L1 after the first). */
+enum { COLI_Q8_TMAX = 4 };
+
+COLI_T_AVX512 COLI_INLINE void coli_q8_fewtok_avx512_t(const int8_t *w, const float *xp, const coli_idx T,
+                                                coli_idx cols, coli_idx Lp, float *v)
+{
+    __m512 a[COLI_Q8_TMAX][8];
+    int8_t tail[128];
+    coli_idx k, nfull = cols / 128, t;
+    int q, h, part = 128 * nfull < Lp;
+    if (part) {
+        memset(tail, 0, sizeof(tail));
+        memcpy(tail, w + 128 * nfull, (size_t)(cols - 128 * nfull));
+    }
+    for (h = 0; h < 2; h++) {
+        __m512 A[COLI_Q8_TMAX][4];
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 4; q++)
+                A[t][q] = _mm512_setzero_ps();
+        for (k = 0; k < nfull + part; k++) {
+            const int8_t *b = (k < nfull ? w + 128 * k : tail) + 64 * h;
+            if (h == 0) {
+                _mm_prefetch((const char *)(w + 128 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + 128 * k) + COLI_Q8_AHEAD + 64, _MM_HINT_T0);
+            }
+            for (q = 0; q < 4; q++) {
+                __m512 u = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * q))));
+                for (t = 0; t < T; t++)
+                    A[t][q] = _mm512_fmadd_ps(u, _mm512_loadu_ps(xp + t * Lp + 128 * k + 64 * h
+                                                                 + 16 * q), A[t][q]);
+            }
+        }
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 4; q++)
+                a[t][4 * h + q] = A[t][q];
+    }
+    for (t = 0; t < T; t++)
+        v[t] = coli_q8_fold_avx512(a[t]);
+}
+
+/* T as a constant, so the accumulators stay in registers. */
+COLI_T_AVX512 static void coli_q8_fewtok_avx512(const int8_t *w, const float *xp, coli_idx T,
+                                                coli_idx cols, coli_idx Lp, float *v)
+{
+    switch (T) {
+    case 2: coli_q8_fewtok_avx512_t(w, xp, 2, cols, Lp, v); break;
+    case 3: coli_q8_fewtok_avx512_t(w, xp, 3, cols, Lp, v); break;
+    default: coli_q8_fewtok_avx512_t(w, xp, 4, cols, Lp, v); break;
+    }
+}
+
+COLI_T_AVX2 COLI_INLINE void coli_q8_fewtok_avx2_t(const int8_t *w, const float *xp, const coli_idx T,
+                                            coli_idx cols, coli_idx Lp, float *v)
+{
+    __m256 a[COLI_Q8_TMAX][8];
+    int8_t tail[64];
+    coli_idx k, nfull = cols / 64, t;
+    int q, h, part = 64 * nfull < Lp;
+    if (part) {
+        memset(tail, 0, sizeof(tail));
+        memcpy(tail, w + 64 * nfull, (size_t)(cols - 64 * nfull));
+    }
+    for (h = 0; h < 4; h++) {
+        __m256 A[COLI_Q8_TMAX][2];
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 2; q++)
+                A[t][q] = _mm256_setzero_ps();
+        for (k = 0; k < nfull + part; k++) {
+            const int8_t *b = (k < nfull ? w + 64 * k : tail) + 16 * h;
+            if (h == 0)
+                _mm_prefetch((const char *)(w + 64 * k) + COLI_Q8_AHEAD, _MM_HINT_T0);
+            for (q = 0; q < 2; q++) {
+                __m256 u = _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * q))));
+                for (t = 0; t < T; t++)
+                    A[t][q] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xp + t * Lp + 64 * k + 16 * h
+                                                                 + 8 * q), A[t][q]);
+            }
+        }
+        for (t = 0; t < T; t++)
+            for (q = 0; q < 2; q++)
+                a[t][2 * h + q] = A[t][q];
+    }
+    for (t = 0; t < T; t++)
+        v[t] = coli_q8_fold_avx2(a[t]);
+}
+
+/* T as a constant, so the accumulators stay in registers. */
+COLI_T_AVX2 static void coli_q8_fewtok_avx2(const int8_t *w, const float *xp, coli_idx T,
+                                            coli_idx cols, coli_idx Lp, float *v)
+{
+    switch (T) {
+    case 2: coli_q8_fewtok_avx2_t(w, xp, 2, cols, Lp, v); break;
+    case 3: coli_q8_fewtok_avx2_t(w, xp, 3, cols, Lp, v); break;
+    default: coli_q8_fewtok_avx2_t(w, xp, 4, cols, Lp, v); break;
+    }
+}
+
+/* Decode rows [r0, r1) at AVX2 / AVX-512: R streams of q rows each, then the rest one by one. */
+static void coli_q8_decode_x86(int level, const int8_t *w, const float *s, const float *xp,
+                               float *y, coli_idx r0, coli_idx r1, coli_idx cols, coli_idx Lp)
+{
+    const int R = level == COLI_AVX512 ? COLI_Q8_R512 : COLI_Q8_R256;
+    coli_idx q = (r1 - r0) / R, r;
+    const int8_t *wr[COLI_Q8_R512];
+    float v[COLI_Q8_R512];
+    int j;
+    for (r = r0; r < r0 + q; r++) {
+        for (j = 0; j < R; j++)
+            wr[j] = w + (r + j * q) * cols;
+        if (level == COLI_AVX512)
+            coli_q8_row3_avx512(wr, xp, cols, Lp, v);
+        else
+            coli_q8_row2_avx2(wr, xp, cols, Lp, v);
+        for (j = 0; j < R; j++)
+            y[r + j * q] = v[j] * s[r + j * q];
+    }
+    for (r = r0 + R * q; r < r1; r++) {
+        wr[0] = w + r * cols;
+        if (level == COLI_AVX512)
+            coli_q8_row1_avx512(wr, xp, cols, Lp, v);
+        else
+            coli_q8_row1_avx2(wr, xp, cols, Lp, v);
+        y[r] = v[0] * s[r];
+    }
+}
 #endif /* COLI_X86 */
 
 static size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp)
@@ -1240,6 +1584,9 @@ static size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp)
                       || (level == COLI_NEON && COLI_ARM))) ? (size_t)Lp : 0;
 }
 
+/* 0: decode through the one-row loops (kept for A/B benchmarks and the bit tests; same bits). */
+static int coli_q8_multirow = 1;
+
 /* Rows [r0, r1) for all T tokens; xp from coli_q8_prep; U: Lp floats (prefill, SIMD levels). */
 static void coli_q8_rows(int level, const int8_t *w, const float *s, const float *xp, float *y,
                          float *U, coli_idx r0, coli_idx r1, coli_idx T, coli_idx O,
@@ -1247,6 +1594,25 @@ static void coli_q8_rows(int level, const int8_t *w, const float *s, const float
 {
     coli_idx r, t;
     (void)level;
+#if COLI_X86
+    if (T == 1 && coli_q8_multirow && (level == COLI_AVX2 || level == COLI_AVX512)) {
+        coli_q8_decode_x86(level, w, s, xp, y, r0, r1, cols, Lp);
+        return;
+    }
+    if (T > 1 && T <= COLI_Q8_TMAX && coli_q8_multirow
+        && (level == COLI_AVX2 || level == COLI_AVX512)) {
+        float v[COLI_Q8_TMAX];
+        for (r = r0; r < r1; r++) {
+            if (level == COLI_AVX512)
+                coli_q8_fewtok_avx512(w + r * cols, xp, T, cols, Lp, v);
+            else
+                coli_q8_fewtok_avx2(w + r * cols, xp, T, cols, Lp, v);
+            for (t = 0; t < T; t++)
+                y[t * O + r] = v[t] * s[r];
+        }
+        return;
+    }
+#endif
     for (r = r0; r < r1; r++) {
         const int8_t *wr = w + r * cols;
 #if COLI_X86

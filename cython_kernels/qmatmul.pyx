@@ -69,6 +69,8 @@ cdef extern from "qkern.h":
                               coli_idx r1, coli_idx cols, coli_idx nb, coli_idx ng,
                               coli_idx gs) noexcept nogil
     coli_idx coli_q8_block(int level) noexcept nogil
+    int coli_q8_multirow
+    int coli_q4_multirow
     void coli_q8_prep(const float* x, coli_idx T, coli_idx cols, coli_idx Lp, float* xp) noexcept nogil
     size_t coli_q8_scratch_floats(int level, coli_idx T, coli_idx Lp) noexcept nogil
     void coli_q8_rows(int level, const int8_t* w, const float* s, const float* xp, float* y,
@@ -143,6 +145,24 @@ def set_int8_activations(bint on):
     """
     global _int8_act
     _int8_act = on
+
+
+def _set_q8_multirow(bint on):
+    """Benchmarks and bit tests only: False runs int8 decode through the one-row loops (the kernel
+    before the multi-row one, same bits). Returns the previous setting."""
+    global coli_q8_multirow
+    cdef bint old = coli_q8_multirow != 0
+    coli_q8_multirow = 1 if on else 0
+    return old
+
+
+def _set_q4_multirow(bint on):
+    """Benchmarks and bit tests only: False runs AVX-512 int4 decode through the one-row loop (the
+    kernel before the two-row one, same bits). Returns the previous setting."""
+    global coli_q4_multirow
+    cdef bint old = coli_q4_multirow != 0
+    coli_q4_multirow = 1 if on else 0
+    return old
 
 
 def int8_activations():

@@ -127,3 +127,15 @@ def test_bigger_than_ram_reads_llama_cpp_s_decode_time_and_replays_the_demo_trac
     assert 0 < r["hit_rate"] <= r["belady_hit_rate"] < 1
     assert r["missed_per_token"] == (1 - r["hit_rate"]) * 8 * 12 * 3e6
     assert abs(r["disk_bound_tok_s"] - 1e9 / r["missed_per_token"]) < 1e-9
+
+
+def test_kernel_ab_compares_old_and_new_decode_kernels(capsys):
+    import pytest
+    pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
+    from benchmarks.kernel_ab import main
+    for kind in ("int8", "int4"):
+        main(["--kind", kind, "--shapes", "70x200", "--threads", "1,2", "--rounds", "2",
+              "--calls", "1", "--bw-mib", "8"])
+        rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.strip().startswith("70x200")]
+        assert [r[1] for r in rows] == ["1", "2"]
+        assert all(float(r[2]) >= 0 and float(r[4]) >= 0 for r in rows)   # old, new GB/s

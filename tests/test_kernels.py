@@ -101,6 +101,68 @@ def test_q8_matches_reference(O, cols, T, variant):
     _close8(qm.q8_matmul(x, q.view(np.int8), s), x, q, s)   # int8 memory is accepted as well
 
 
+@pytest.mark.parametrize("O", [1, 2, 3, 4, 5, 7, 64, 65, 130, 193, 700])
+def test_q8_multirow_decode_bits(O, variant):
+    """The multi-row int8 decode kernel (several row streams per pass) and the few-token kernel
+    (T = 2..4) give exactly the bits of the one-row loop and the unpacked-row prefill they
+    replaced, for rows that are not a multiple of the row count or the block, cols that are not a
+    multiple of 64 / 128 (the padded tail), and 1 or 2 threads."""
+    rng = np.random.default_rng(O)
+    for cols in (1, 15, 63, 64, 65, 127, 128, 129, 300, 1000, 2049):
+        w = rng.integers(-128, 128, size=(O, cols), dtype=np.int8)
+        s = rng.uniform(0.001, 1.0, O).astype(np.float32)
+        x = rng.standard_normal(cols).astype(np.float32)
+        got = {}
+        try:
+            for nt in (1, 2):
+                qm.set_num_threads(nt)
+                for on in (False, True):
+                    qm._set_q8_multirow(on)
+                    got[nt, on] = qm.q8_matmul(x, w, s).view(np.int32)
+        finally:
+            qm._set_q8_multirow(True)
+        pf = qm.q8_matmul(np.stack([x, -x, x]), w, s)[2].view(np.int32)
+        for k, v in got.items():
+            assert np.array_equal(v, pf), (cols, k)
+        # a few tokens (the direct few-token kernel, T <= 4) and more (the unpacked rows) give
+        # each token's decode bits, as the unpacked-row path does
+        X = rng.standard_normal((5, cols)).astype(np.float32)
+        one = np.stack([qm.q8_matmul(X[t], w, s) for t in range(5)]).view(np.int32)
+        try:
+            for on in (False, True):
+                qm._set_q8_multirow(on)
+                for T in (2, 3, 4, 5):
+                    assert np.array_equal(qm.q8_matmul(X[:T], w, s).view(np.int32), one[:T]), (cols, T, on)
+        finally:
+            qm._set_q8_multirow(True)
+        _close8(qm.q8_matmul(x[None], w.view(np.uint8), s), x[None], w.view(np.uint8), s)
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128, 256])
+def test_q4_multirow_decode_bits(gs, variant):
+    """The two-row AVX-512 int4 decode pass (table conversion, prefetch) gives exactly the bits of
+    the one-row loop it replaced and of the prefill kernel: odd row counts (a lone middle row),
+    cols that end inside a group or a chunk, 1 or 2 threads. (At other levels both settings run
+    the same code.)"""
+    rng = np.random.default_rng(gs)
+    for O, cols in ((1, gs), (2, 2 * gs), (3, 2 * gs - 2), (5, 2 * gs + 2), (65, 1000), (300, 2048),
+                    (7, 33), (4, 1)):
+        x, w, s = _int4_case(rng, O, cols, gs, 1)
+        got = {}
+        try:
+            for nt in (1, 2):
+                qm.set_num_threads(nt)
+                for on in (False, True):
+                    qm._set_q4_multirow(on)
+                    got[nt, on] = qm.q4_matmul(x, w, s, cols, gs).view(np.int32)
+        finally:
+            qm._set_q4_multirow(True)
+        pf = qm.q4_matmul(np.concatenate([x, -x, x]), w, s, cols, gs)[2:].view(np.int32)
+        for k, v in got.items():
+            assert np.array_equal(v, pf), (O, cols, k)
+        _close4(qm.q4_matmul(x, w, s, cols, gs), x, w, s, cols, gs)
+
+
 def test_q4_extreme_nibbles(variant):
     """All 16 nibble values, both nibble positions, a scale per group."""
     rng = np.random.default_rng(1)
