@@ -192,39 +192,104 @@ static float coli_softmax_unnorm(float *p, coli_ix n, float scale)
 }
 
 #if COLI_X86
-/* coli_weighted_rows' AVX2 variant (D % 8 == 0): the same operations, 8 columns at a time. */
-COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *p, float sum, const float *V,
-                                                coli_ix n, coli_ix D, float *out)
+/* coli_weighted_rows' AVX2 variant (D % 8 == 0): the same operations per element, 32 columns
+ * held in registers across the n rows (out is read and written once per call, not per row). */
+COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *w, const float *V, coli_ix n,
+                                                coli_ix D, float *out)
 {
-    coli_ix j, d;
-    for (j = 0; j < n; j++) {
-        const float *v = V + j * D;
-        __m256 pj = _mm256_set1_ps(p[j] / sum);
-        for (d = 0; d < D; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d),
-                                                    _mm256_mul_ps(pj, _mm256_loadu_ps(v + d))));
+    coli_ix j, d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out + d + 8);
+        __m256 a2 = _mm256_loadu_ps(out + d + 16), a3 = _mm256_loadu_ps(out + d + 24);
+        for (j = 0; j < n; j++) {
+            const float *v = V + j * D + d;
+            __m256 wj = _mm256_set1_ps(w[j]);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(wj, _mm256_loadu_ps(v)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 8)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 16)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 24)));
+        }
+        _mm256_storeu_ps(out + d, a0);
+        _mm256_storeu_ps(out + d + 8, a1);
+        _mm256_storeu_ps(out + d + 16, a2);
+        _mm256_storeu_ps(out + d + 24, a3);
+    }
+    for (; d < D; d += 8) {
+        __m256 a = _mm256_loadu_ps(out + d);
+        for (j = 0; j < n; j++)
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(V + j * D + d)));
+        _mm256_storeu_ps(out + d, a);
     }
 }
 #endif
 
-/* out[D] += (p[j] / sum) * V[j] for rows j < n, added in order (callers zero out first; a cache
- * read in chunks adds chunk after chunk: the same bits). */
-static void coli_weighted_rows(const float *p, float sum, const float *V, coli_ix n, coli_ix D,
-                               float *out, int avx2)
+/* out[D] += w[j] * V[j] for rows j < n, added in order (callers zero out first; a cache read in
+ * chunks adds chunk after chunk: the same bits). w: the softmax weights, p[j] / sum. */
+static void coli_weighted_rows(const float *w, const float *V, coli_ix n, coli_ix D, float *out,
+                               int avx2)
 {
     coli_ix j, d;
 #if COLI_X86
     if (avx2) {
-        coli_weighted_rows_avx2(p, sum, V, n, D, out);
+        coli_weighted_rows_avx2(w, V, n, D, out);
         return;
     }
 #endif
     (void)avx2;
     for (j = 0; j < n; j++) {
         const float *v = V + j * D;
-        float pj = p[j] / sum;
+        float wj = w[j];
         for (d = 0; d < D; d++)
-            out[d] += pj * v[d];
+            out[d] += wj * v[d];
+    }
+}
+
+/* Rows of K / V that the query heads of a group read in turn while the rows sit in L1 (~16 KiB;
+ * a multiple of coli_dots_avx2's 4-row block). */
+static coli_ix coli_group_rows(coli_ix D)
+{
+    coli_ix r = (coli_ix)4096 / (D > 0 ? D : 1) / 4 * 4;
+    return r < 4 ? 4 : r;
+}
+
+/* Scores -> weights of nh heads (p: nh rows of n scores): w = exp(scale * s - max) / sum per
+ * head; out (nh rows of D) zeroed for the weighted sums. */
+static void coli_group_softmax(float *p, coli_ix nh, coli_ix n, coli_ix D, float scale,
+                               float *out)
+{
+    coli_ix i, j;
+    for (i = 0; i < nh; i++) {
+        float *pi = p + i * n, sum = coli_softmax_unnorm(pi, n, scale);
+        for (j = 0; j < n; j++)
+            pi[j] = pi[j] / sum;
+        for (j = 0; j < D; j++)
+            out[i * D + j] = 0.0f;
+    }
+}
+
+/* The nh query heads of one kv head (q, out: nh rows of D; p: nh * (S - lo) floats of scratch):
+ * out_i = softmax(scale * q_i . K[j]) . V[j] over cache rows j in [lo, S) (rows of D contiguous
+ * floats). The heads share each pass over K and over V (a block of rows, then every head's dot
+ * products / weighted sums over it), so the cache is read from memory once per group instead of
+ * once per head; each head's arithmetic is coli_attend_head's, in the same order (the same
+ * bits for any grouping). avx2: the AVX2 variants (same bits). */
+static void coli_attend_group(const float *q, const float *K, const float *V, coli_ix nh,
+                              coli_ix D, coli_ix lo, coli_ix S, float scale, float *p, float *out,
+                              int avx2)
+{
+    coli_ix n = S - lo, B = coli_group_rows(D), j, m, i;
+    K += lo * D;
+    V += lo * D;
+    for (j = 0; j < n; j += m) {
+        m = n - j < B ? n - j : B;
+        for (i = 0; i < nh; i++)
+            coli_dots(q + i * D, K + j * D, m, D, p + i * n + j, avx2);
+    }
+    coli_group_softmax(p, nh, n, D, scale, out);
+    for (j = 0; j < n; j += m) {
+        m = n - j < B ? n - j : B;
+        for (i = 0; i < nh; i++)
+            coli_weighted_rows(p + i * n + j, V + j * D, m, D, out + i * D, avx2);
     }
 }
 
@@ -233,11 +298,7 @@ static void coli_weighted_rows(const float *p, float sum, const float *V, coli_i
 static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
                              coli_ix S, float scale, float *p, float *out, int avx2)
 {
-    coli_ix n = S - lo, d;
-    coli_dots(q, K + lo * D, n, D, p, avx2);
-    for (d = 0; d < D; d++)
-        out[d] = 0.0f;
-    coli_weighted_rows(p, coli_softmax_unnorm(p, n, scale), V + lo * D, n, D, out, avx2);
+    coli_attend_group(q, K, V, 1, D, lo, S, scale, p, out, avx2);
 }
 
 /* ---- float16 KV cache (opt-in) ----------------------------------------------------------------
@@ -379,39 +440,59 @@ static void coli_h2f_rows(const uint16_t *h, float *f, coli_ix n, int avx2)
         f[i] = coli_h2f(h[i]);
 }
 
+/* coli_attend_group over a float16 cache: COLI_KV_CHUNK rows widened into buf (COLI_KV_CHUNK *
+ * D floats of scratch), then every head's dot products (resp. weighted sums) over them. */
+static void coli_attend_group_h(const float *q, const uint16_t *K, const uint16_t *V, coli_ix nh,
+                                coli_ix D, coli_ix lo, coli_ix S, float scale, float *p,
+                                float *buf, float *out, int avx2)
+{
+    coli_ix n = S - lo, j, m, i;
+    for (j = 0; j < n; j += m) {
+        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
+        coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
+        for (i = 0; i < nh; i++)
+            coli_dots(q + i * D, buf, m, D, p + i * n + j, avx2);
+    }
+    coli_group_softmax(p, nh, n, D, scale, out);
+    for (j = 0; j < n; j += m) {
+        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
+        coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
+        for (i = 0; i < nh; i++)
+            coli_weighted_rows(p + i * n + j, buf, m, D, out + i * D, avx2);
+    }
+}
+
 /* coli_attend_head over a float16 cache; buf: COLI_KV_CHUNK * D floats of scratch. */
 static void coli_attend_head_h(const float *q, const uint16_t *K, const uint16_t *V, coli_ix D,
                                coli_ix lo, coli_ix S, float scale, float *p, float *buf,
                                float *out, int avx2)
 {
-    coli_ix n = S - lo, j, m, d;
-    float sum;
-    for (j = 0; j < n; j += m) {
-        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
-        coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
-        coli_dots(q, buf, m, D, p + j, avx2);
-    }
-    sum = coli_softmax_unnorm(p, n, scale);
-    for (d = 0; d < D; d++)
-        out[d] = 0.0f;
-    for (j = 0; j < n; j += m) {
-        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
-        coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
-        coli_weighted_rows(p + j, sum, buf, m, D, out, avx2);
-    }
+    coli_attend_group_h(q, K, V, 1, D, lo, S, scale, p, buf, out, avx2);
+}
+
+/* How the query heads of a position are dealt to threads: kv head g's G query heads in `split`
+ * parts (work item it: kv head it / split, heads [h0, h1)). One part per kv head when there are
+ * at least as many kv heads as threads; else the group is cut so every thread has work (each
+ * part still reads its kv head's K / V once). */
+static coli_ix coli_attend_split(coli_ix KV, coli_ix G, int nt)
+{
+    coli_ix split = nt > 1 && KV < nt ? (nt + KV - 1) / KV : 1;
+    return split < G ? split : G;
 }
 
 /* Attention of one query position (decode): q [H][D]; K / V: the cache of kv head g at
  * K + g * ks (resp. V + g * vs), positions 0..S-1 of D floats each (rows before lo are outside a
- * sliding window); out [H][D]. Query head h reads kv head h / (H / KV). Heads are split between
- * nt threads; each head is computed by one thread. level: qkern.h's SIMD level (AVX2 and
- * AVX-512 run the AVX2 variant). half: K and V are float16 (uint16_t; ks / vs in halves), widened
- * in the kernel. Returns -1 when scratch cannot be allocated. */
+ * sliding window); out [H][D]. Query head h reads kv head h / (H / KV); the heads of a kv head
+ * go through one pass over its cache (coli_attend_group), split between nt threads by kv head
+ * (and within a group when KV < nt). Each head's bits are the same for any split. level:
+ * qkern.h's SIMD level (AVX2 and AVX-512 run the AVX2 variant). half: K and V are float16
+ * (uint16_t; ks / vs in halves), widened in the kernel. Returns -1 when scratch cannot be
+ * allocated. */
 static int coli_attend_one(const float *q, const void *K, const void *V, coli_ix ks, coli_ix vs,
                            float *out, coli_ix H, coli_ix KV, coli_ix D, coli_ix lo, coli_ix S,
                            float scale, int nt, int level, int half)
 {
-    coli_ix n = S - lo, G = H / KV, h;
+    coli_ix n = S - lo, G = H / KV, h, split, items, it;
     int avx2 = 0;
     float *p;
     if (n <= 0) {
@@ -420,24 +501,28 @@ static int coli_attend_one(const float *q, const void *K, const void *V, coli_ix
         return 0;
     }
     avx2 = coli_ops_avx2(level, D);
-    p = (float *)malloc(sizeof(float) * (size_t)(H * n + (half ? H * COLI_KV_CHUNK * D : 0)));
-    if (p == NULL)
-        return -1;
     /* a parallel region costs more than a short context's whole attention */
     if (nt < 2 || n * H * D < (coli_ix)1 << 18)
         nt = 1;
+    split = coli_attend_split(KV, G, nt);
+    items = KV * split;
+    p = (float *)malloc(sizeof(float) * (size_t)(H * n + (half ? items * COLI_KV_CHUNK * D : 0)));
+    if (p == NULL)
+        return -1;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (h = 0; h < H; h++) {
+    for (it = 0; it < items; it++) {
+        coli_ix g = it / split, s = it % split;
+        coli_ix h0 = g * G + s * G / split, h1 = g * G + (s + 1) * G / split;
         if (half)
-            coli_attend_head_h(q + h * D, (const uint16_t *)K + (h / G) * ks,
-                               (const uint16_t *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
-                               p + H * n + h * COLI_KV_CHUNK * D, out + h * D, avx2);
+            coli_attend_group_h(q + h0 * D, (const uint16_t *)K + g * ks,
+                                (const uint16_t *)V + g * vs, h1 - h0, D, lo, S, scale,
+                                p + h0 * n, p + H * n + it * COLI_KV_CHUNK * D, out + h0 * D,
+                                avx2);
         else
-            coli_attend_head(q + h * D, (const float *)K + (h / G) * ks,
-                             (const float *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
-                             out + h * D, avx2);
+            coli_attend_group(q + h0 * D, (const float *)K + g * ks, (const float *)V + g * vs,
+                              h1 - h0, D, lo, S, scale, p + h0 * n, out + h0 * D, avx2);
     }
     free(p);
     return 0;

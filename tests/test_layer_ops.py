@@ -88,6 +88,32 @@ def test_attention_one_position_matches_numpy(H, KV, D, S, window):
         np.testing.assert_array_equal(got, outs[0])
 
 
+@pytest.mark.parametrize("H,KV,D,S,lo", [(16, 2, 256, 700, 0), (12, 1, 128, 300, 40),
+                                         (6, 3, 40, 133, 5), (8, 8, 64, 90, 0)])
+@pytest.mark.parametrize("half", [False, True])
+def test_grouped_heads_have_the_bits_of_each_head_alone(H, KV, D, S, lo, half):
+    """attend_one computes the query heads of a kv head in one pass over its K / V (and splits a
+    group between threads when kv heads are fewer than threads): every head gets the bits it has
+    computed on its own (one head against its kv head), for every variant and thread count."""
+    rng = np.random.default_rng(H * S + D)
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    k = rng.standard_normal((KV, S, D)).astype(np.float32)
+    v = rng.standard_normal((KV, S, D)).astype(np.float32)
+    if half:
+        k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+    attend = qm.attend_one_f16 if half else qm.attend_one
+    G = H // KV
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        qm.set_num_threads(1)
+        alone = np.concatenate([attend(q[h:h + 1], k[h // G:h // G + 1], v[h // G:h // G + 1],
+                                       0.0625, lo) for h in range(H)], axis=1)
+        for threads in (1, 2, 3):
+            qm.set_num_threads(threads)
+            np.testing.assert_array_equal(attend(q, k, v, 0.0625, lo), alone,
+                                          err_msg=f"{variant} threads={threads}")
+
+
 @pytest.mark.parametrize("window", [None, 37])
 def test_prefill_attention_in_query_blocks_matches_one_block(window, monkeypatch):
     """A prefill's attention runs ATTENTION_QUERY_BLOCK query rows at a time (bounded scores);
