@@ -2,7 +2,8 @@
 of S positions, for the head shapes of Qwen3.6 (16 q / 2 kv heads x 256), OLMoE (16 / 16 x 128)
 and GLM-4.5-Air (96 / 8 x 128), 1 and 2 threads. Prints microseconds per call and the K + V bytes
 read per second next to numpy's read bandwidth at the same thread count (benchmarks/common
-ram_read_gbps; the best measurement of the run). Asserts nothing.
+ram_read_gbps). Times: the best of --rounds rounds (each a batch of --min-time seconds), as a
+shared machine only ever slows a round down. Asserts nothing.
 
 The cache rotates between copies totalling >= --cold-mib MiB, so each call reads K / V from
 memory as in a real decode step (where the layer's weights pass through the caches between two
@@ -22,7 +23,6 @@ import argparse
 import importlib.machinery
 import importlib.util
 import os
-import statistics
 import sys
 import time
 
@@ -108,7 +108,8 @@ def main(argv=None):
                         m.set_num_threads(t)
                         call = m.attend_one_f16 if a.f16 else m.attend_one
                         times[lab].append(_time(call, caches, a.min_time))
-                med = {lab: statistics.median(v) for lab, v in times.items()}
+                # the best round: on a shared machine the others are slowed by neighbours
+                med = {lab: min(v) for lab, v in times.items()}
                 gbps = one / med["after"] / 1e9
                 row = (f"{name:9s} {H:3d}/{KV:<2d}x{D:<3d} S={S:6d} thr={t}  "
                        f"after {med['after'] * 1e6:9.1f} us  {gbps:6.2f} GB/s "
