@@ -507,6 +507,107 @@ COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *w, const float *V, 
 }
 #endif
 
+#if COLI_X86
+/* coli_weighted_rows in AVX-512: each output element gets the same products and sums in the
+ * same order (only more columns per instruction): the same bits. */
+COLI_T_AVX512 static void coli_weighted_rows_avx512(const float *w, const float *V, coli_ix n,
+                                                    coli_ix D, float *out)
+{
+    coli_ix j, d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m512 a0 = _mm512_loadu_ps(out + d), a1 = _mm512_loadu_ps(out + d + 16);
+        __m512 a2 = _mm512_loadu_ps(out + d + 32), a3 = _mm512_loadu_ps(out + d + 48);
+        for (j = 0; j < n; j++) {
+            const float *v = V + j * D + d;
+            __m512 wj = _mm512_set1_ps(w[j]);
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(wj, _mm512_loadu_ps(v)));
+            a1 = _mm512_add_ps(a1, _mm512_mul_ps(wj, _mm512_loadu_ps(v + 16)));
+            a2 = _mm512_add_ps(a2, _mm512_mul_ps(wj, _mm512_loadu_ps(v + 32)));
+            a3 = _mm512_add_ps(a3, _mm512_mul_ps(wj, _mm512_loadu_ps(v + 48)));
+        }
+        _mm512_storeu_ps(out + d, a0);
+        _mm512_storeu_ps(out + d + 16, a1);
+        _mm512_storeu_ps(out + d + 32, a2);
+        _mm512_storeu_ps(out + d + 48, a3);
+    }
+    for (; d + 16 <= D; d += 16) {
+        __m512 a = _mm512_loadu_ps(out + d);
+        for (j = 0; j < n; j++)
+            a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(V + j * D + d)));
+        _mm512_storeu_ps(out + d, a);
+    }
+    for (; d < D; d += 8) {
+        __m256 a = _mm256_loadu_ps(out + d);
+        for (j = 0; j < n; j++)
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(V + j * D + d)));
+        _mm256_storeu_ps(out + d, a);
+    }
+}
+
+/* coli_lane_fold of the 16 8-lane halves of a0..a7 (row r in a_r: head 0's lanes low, head 1's
+ * high) in registers: out0[r] = fold(a_r low), out1[r] = fold(a_r high). The same three levels
+ * of sums as coli_lane_fold ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), eight at a time, the rows
+ * moved between lanes by shuffles (moves, no rounding): the same bits. */
+COLI_T_AVX512 static inline void coli_fold16_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3,
+                                                    __m512 a4, __m512 a5, __m512 a6, __m512 a7,
+                                                    float *out0, float *out1)
+{
+    /* 128-bit blocks of a_r: [h0 l0-3, h0 l4-7, h1 l0-3, h1 l4-7]; level 1: t = l0-3 + l4-7 */
+#define COLI_L1(x, y) _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)), \
+                                    _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)))
+    __m512 y01 = COLI_L1(a0, a1), y23 = COLI_L1(a2, a3), y45 = COLI_L1(a4, a5);
+    __m512 y67 = COLI_L1(a6, a7), z0, z1, f;
+#undef COLI_L1
+    /* y01 blocks: [r0 h0 t, r0 h1 t, r1 h0 t, r1 h1 t]; level 2: u0 = t0 + t2, u1 = t1 + t3 */
+    z0 = _mm512_add_ps(_mm512_shuffle_ps(y01, y23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 2, 3, 2)));
+    z1 = _mm512_add_ps(_mm512_shuffle_ps(y45, y67, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(y45, y67, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* z0 blocks: [r0 u, r2 u | r0 h1.., r2 h1.. | r1, r3 | r1 h1, r3 h1]; level 3: u0 + u1 */
+    f = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* f blocks: [h0 r0 r2 r4 r6, h1 r0 r2 r4 r6, h0 r1 r3 r5 r7, h1 r1 r3 r5 r7] */
+    f = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), f);
+    _mm256_storeu_ps(out0, _mm512_castps512_ps256(f));
+    _mm256_storeu_ps(out1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+}
+
+/* The dot products of two query heads (qq: their D values interleaved by 8, q0[0..8) q1[0..8)
+ * q0[8..16) ...) with n rows of K: a 512-bit register holds head 0's 8 lanes of coli_dot for a
+ * row and head 1's 8 lanes (the row's 8 values broadcast to both halves), so each lane sums the
+ * same products in the same order as coli_dot / coli_dots_avx2, then coli_lane_fold: the same
+ * bits, half the instructions. Rows after the last multiple of 8: coli_dots_avx2. */
+COLI_T_AVX512 static void coli_dots2_avx512(const float *qq, const float *q0, const float *q1,
+                                            const float *K, coli_ix n, coli_ix D, float *out0,
+                                            float *out1)
+{
+    coli_ix j, d;
+    for (j = 0; j + 8 <= n; j += 8) {
+        const float *k = K + j * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0;
+        __m512 a7 = a0;
+        for (d = 0; d < D; d += 8) {
+            __m512 x = _mm512_loadu_ps(qq + 2 * d);
+#define COLI_ROW8(r) _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(k + (r) * D + d))))
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, COLI_ROW8(0)));
+            a1 = _mm512_add_ps(a1, _mm512_mul_ps(x, COLI_ROW8(1)));
+            a2 = _mm512_add_ps(a2, _mm512_mul_ps(x, COLI_ROW8(2)));
+            a3 = _mm512_add_ps(a3, _mm512_mul_ps(x, COLI_ROW8(3)));
+            a4 = _mm512_add_ps(a4, _mm512_mul_ps(x, COLI_ROW8(4)));
+            a5 = _mm512_add_ps(a5, _mm512_mul_ps(x, COLI_ROW8(5)));
+            a6 = _mm512_add_ps(a6, _mm512_mul_ps(x, COLI_ROW8(6)));
+            a7 = _mm512_add_ps(a7, _mm512_mul_ps(x, COLI_ROW8(7)));
+#undef COLI_ROW8
+        }
+        coli_fold16_avx512(a0, a1, a2, a3, a4, a5, a6, a7, out0 + j, out1 + j);
+    }
+    if (j < n) {
+        coli_dots_avx2(q0, K + j * D, n - j, D, out0 + j);
+        coli_dots_avx2(q1, K + j * D, n - j, D, out1 + j);
+    }
+}
+#endif
+
 /* out[D] += w[j] * V[j] for rows j < n, added in order (callers zero out first; a cache read in
  * chunks adds chunk after chunk: the same bits). w: the softmax weights, p[j] / sum. */
 static void coli_weighted_rows(const float *w, const float *V, coli_ix n, coli_ix D, float *out,
@@ -551,6 +652,56 @@ static void coli_group_softmax(float *p, coli_ix nh, coli_ix n, coli_ix D, float
     }
 }
 
+/* Whether the AVX-512 forms of the group's dots / weighted sums run (rows of D floats; qq of
+ * coli_group_dots holds 2 * D floats). */
+static int coli_group_avx512(int level, coli_ix D)
+{
+    return COLI_X86 && level == COLI_AVX512 && coli_ops_avx2(level, D) && D <= 512;
+}
+
+/* p[i * n + j0 + r] = q_i . rows[r] for the nh heads and the m rows of a block (coli_dot's bits:
+ * AVX-512 takes the heads two at a time). */
+static void coli_group_dots(const float *q, const float *rows, coli_ix m, coli_ix D, coli_ix nh,
+                            float *p, coli_ix n, coli_ix j0, int level)
+{
+    coli_ix i = 0;
+    int avx2 = coli_ops_avx2(level, D);
+#if COLI_X86
+    if (coli_group_avx512(level, D)) {
+        float qq[2 * 512];
+        coli_ix d, l;
+        for (; i + 2 <= nh; i += 2) {
+            const float *q0 = q + i * D, *q1 = q0 + D;
+            for (d = 0; d < D; d += 8)
+                for (l = 0; l < 8; l++) {
+                    qq[2 * d + l] = q0[d + l];
+                    qq[2 * d + 8 + l] = q1[d + l];
+                }
+            coli_dots2_avx512(qq, q0, q1, rows, m, D, p + i * n + j0, p + (i + 1) * n + j0);
+        }
+    }
+#endif
+    for (; i < nh; i++)
+        coli_dots(q + i * D, rows, m, D, p + i * n + j0, avx2);
+}
+
+/* out_i += w_i[j0 + r] * rows[r] for the nh heads (w: nh rows of n weights), rows in order. */
+static void coli_group_weighted(const float *w, coli_ix n, coli_ix j0, const float *rows,
+                                coli_ix m, coli_ix D, coli_ix nh, float *out, int level)
+{
+    coli_ix i;
+    int avx2 = coli_ops_avx2(level, D);
+#if COLI_X86
+    if (coli_group_avx512(level, D)) {
+        for (i = 0; i < nh; i++)
+            coli_weighted_rows_avx512(w + i * n + j0, rows, m, D, out + i * D);
+        return;
+    }
+#endif
+    for (i = 0; i < nh; i++)
+        coli_weighted_rows(w + i * n + j0, rows, m, D, out + i * D, avx2);
+}
+
 /* The nh query heads of one kv head (q, out: nh rows of D; p: nh * (S - lo) floats of scratch):
  * out_i = softmax(scale * q_i . K[j]) . V[j] over cache rows j in [lo, S) (rows of D contiguous
  * floats). The heads share each pass over K and over V (a block of rows, then every head's dot
@@ -561,20 +712,17 @@ static void coli_attend_group(const float *q, const float *K, const float *V, co
                               coli_ix D, coli_ix lo, coli_ix S, float scale, float *p, float *out,
                               int level)
 {
-    coli_ix n = S - lo, B = coli_group_rows(D), j, m, i;
-    int avx2 = coli_ops_avx2(level, D);
+    coli_ix n = S - lo, B = coli_group_rows(D), j, m;
     K += lo * D;
     V += lo * D;
     for (j = 0; j < n; j += m) {
         m = n - j < B ? n - j : B;
-        for (i = 0; i < nh; i++)
-            coli_dots(q + i * D, K + j * D, m, D, p + i * n + j, avx2);
+        coli_group_dots(q, K + j * D, m, D, nh, p, n, j, level);
     }
     coli_group_softmax(p, nh, n, D, scale, out, level);
     for (j = 0; j < n; j += m) {
         m = n - j < B ? n - j : B;
-        for (i = 0; i < nh; i++)
-            coli_weighted_rows(p + i * n + j, V + j * D, m, D, out + i * D, avx2);
+        coli_group_weighted(p, n, j, V + j * D, m, D, nh, out, level);
     }
 }
 
@@ -742,20 +890,18 @@ static void coli_attend_group_h(const float *q, const uint16_t *K, const uint16_
                                 coli_ix D, coli_ix lo, coli_ix S, float scale, float *p,
                                 float *buf, float *out, int level)
 {
-    coli_ix n = S - lo, j, m, i;
+    coli_ix n = S - lo, j, m;
     int avx2 = coli_ops_avx2(level, D);
     for (j = 0; j < n; j += m) {
         m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
         coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
-        for (i = 0; i < nh; i++)
-            coli_dots(q + i * D, buf, m, D, p + i * n + j, avx2);
+        coli_group_dots(q, buf, m, D, nh, p, n, j, level);
     }
     coli_group_softmax(p, nh, n, D, scale, out, level);
     for (j = 0; j < n; j += m) {
         m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
         coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
-        for (i = 0; i < nh; i++)
-            coli_weighted_rows(p + i * n + j, buf, m, D, out + i * D, avx2);
+        coli_group_weighted(p, n, j, buf, m, D, nh, out, level);
     }
 }
 

@@ -91,7 +91,8 @@ def test_attention_one_position_matches_numpy(H, KV, D, S, window):
 
 
 @pytest.mark.parametrize("H,KV,D,S,lo", [(16, 2, 256, 700, 0), (12, 1, 128, 300, 40),
-                                         (6, 3, 40, 133, 5), (8, 8, 64, 90, 0)])
+                                         (6, 3, 40, 133, 5), (8, 8, 64, 90, 0), (10, 2, 48, 77, 3),
+                                         (4, 1, 520, 40, 0), (3, 1, 8, 1, 0)])
 @pytest.mark.parametrize("half", [False, True])
 def test_grouped_heads_have_the_bits_of_each_head_alone(H, KV, D, S, lo, half):
     """attend_one computes the query heads of a kv head in one pass over its K / V (and splits a
