@@ -53,14 +53,56 @@ static float coli_dot(const float *a, const float *b, coli_ix n)
 }
 
 #if COLI_X86
+/* coli_lane_fold of a0..a7 (one row's 8 lanes each) into out[0..8), in registers: the fold's
+ * three levels of sums ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) eight rows at a time, the values
+ * moved between lanes by shuffles (no rounding): the same bits as eight coli_lane_fold calls. */
+COLI_T_AVX2 static inline void coli_fold8_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
+                                               __m256 a4, __m256 a5, __m256 a6, __m256 a7,
+                                               float *out)
+{
+    /* level 1: [r l0-3 | s l0-3] + [r l4-7 | s l4-7] = [r t0-3 | s t0-3] */
+#define COLI_L1(x, y) _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), \
+                                    _mm256_permute2f128_ps(x, y, 0x31))
+    __m256 y01 = COLI_L1(a0, a1), y23 = COLI_L1(a2, a3), y45 = COLI_L1(a4, a5);
+    __m256 y67 = COLI_L1(a6, a7), z0, z1, f;
+#undef COLI_L1
+    /* level 2: u0 = t0 + t2, u1 = t1 + t3 -> z0 = [r0 u0 u1, r2 u0 u1 | r1 .., r3 ..] */
+    z0 = _mm256_add_ps(_mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 2, 3, 2)));
+    z1 = _mm256_add_ps(_mm256_shuffle_ps(y45, y67, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm256_shuffle_ps(y45, y67, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* level 3: u0 + u1 -> [r0 r2 r4 r6 | r1 r3 r5 r7] */
+    f = _mm256_add_ps(_mm256_shuffle_ps(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm256_shuffle_ps(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 /* out[j] = coli_dot(q, K + j * D, D) for j < n, with the same bits (D % 8 == 0): the 8 lanes of
- * coli_dot in one register, four rows at a time (four add chains instead of one). */
+ * coli_dot in one register, eight rows at a time (eight add chains instead of one) folded in
+ * registers, then four at a time. */
 COLI_T_AVX2 static void coli_dots_avx2(const float *q, const float *K, coli_ix n, coli_ix D,
                                        float *out)
 {
     coli_ix j, d;
     float lanes[4][COLI_LN];
-    for (j = 0; j + 4 <= n; j += 4) {
+    for (j = 0; j + 8 <= n; j += 8) {
+        const float *k = K + j * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0;
+        __m256 a7 = a0;
+        for (d = 0; d < D; d += 8) {
+            __m256 x = _mm256_loadu_ps(q + d);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, _mm256_loadu_ps(k + d)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(x, _mm256_loadu_ps(k + D + d)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(x, _mm256_loadu_ps(k + 2 * D + d)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(x, _mm256_loadu_ps(k + 3 * D + d)));
+            a4 = _mm256_add_ps(a4, _mm256_mul_ps(x, _mm256_loadu_ps(k + 4 * D + d)));
+            a5 = _mm256_add_ps(a5, _mm256_mul_ps(x, _mm256_loadu_ps(k + 5 * D + d)));
+            a6 = _mm256_add_ps(a6, _mm256_mul_ps(x, _mm256_loadu_ps(k + 6 * D + d)));
+            a7 = _mm256_add_ps(a7, _mm256_mul_ps(x, _mm256_loadu_ps(k + 7 * D + d)));
+        }
+        coli_fold8_avx2(a0, a1, a2, a3, a4, a5, a6, a7, out + j);
+    }
+    for (; j + 4 <= n; j += 4) {
         const float *k = K + j * D;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (d = 0; d < D; d += 8) {
