@@ -630,7 +630,8 @@ COLI_T_AVX512 static void coli_dots2_avx512(const float *qq, const float *q0, co
         __m512 a7 = a0;
         for (d = 0; d < D; d += 8) {
             __m512 x = _mm512_loadu_ps(qq + 2 * d);
-#define COLI_ROW8(r) _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(k + (r) * D + d))))
+#define COLI_ROW8(r) \
+    _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(k + (r) * D + d))))
             a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, COLI_ROW8(0)));
             a1 = _mm512_add_ps(a1, _mm512_mul_ps(x, COLI_ROW8(1)));
             a2 = _mm512_add_ps(a2, _mm512_mul_ps(x, COLI_ROW8(2)));

@@ -397,7 +397,8 @@ int main(void) {
     static const long ns[] = {1, 7, 8, 9, 15, 16, 17, 24, 33, 100, N + 11};
     for (i = 0; i < N; i++) x[i] = -104.0f + 104.0f * (float)i / (float)N;
     x[N] = 0.0f; x[N + 1] = -INFINITY; x[N + 2] = -1e-30f; x[N + 3] = -87.5f; x[N + 4] = -103.9f;
-    x[N + 5] = 3.0f; x[N + 6] = -200.0f; x[N + 7] = 1e-7f; x[N + 8] = -0.0f; x[N + 9] = -5.0f; x[N + 10] = 2.5f;
+    x[N + 5] = 3.0f; x[N + 6] = -200.0f; x[N + 7] = 1e-7f; x[N + 8] = -0.0f; x[N + 9] = -5.0f;
+    x[N + 10] = 2.5f;
     for (i = 0; i < (long)(sizeof(ns) / sizeof(ns[0])); i++) {
         float sref, s;
         n = ns[i];
@@ -432,8 +433,8 @@ def test_softmax_exp_variants_emulated(tmp_path):
     src = tmp_path / "emu.c"
     src.write_text(_EMU_SOFTMAX)
     exe = tmp_path / "emu"
-    r = subprocess.run([cc, "-O1", "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o", str(exe), "-lm"],
-                       capture_output=True, text=True)
+    r = subprocess.run([cc, "-O1", "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o",
+                        str(exe), "-lm"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:]
