@@ -553,7 +553,8 @@ COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *w, const float *V, 
 /* coli_weighted_rows in AVX-512: each output element gets the same products and sums in the
  * same order (only more columns per instruction): the same bits. */
 COLI_T_AVX512 static void coli_weighted_rows_avx512(const float *w, const float *V, coli_ix n,
-                                                    coli_ix D, float *out)
+                                                    coli_ix D, float *out, const char *pf,
+                                                    coli_ix npf)
 {
     coli_ix j, d = 0;
     for (; d + 64 <= D; d += 64) {
@@ -562,6 +563,11 @@ COLI_T_AVX512 static void coli_weighted_rows_avx512(const float *w, const float 
         for (j = 0; j < n; j++) {
             const float *v = V + j * D + d;
             __m512 wj = _mm512_set1_ps(w[j]);
+            if (npf > 0) {          /* a line of the next block (coli_group_weighted) */
+                __builtin_prefetch(pf, 0, 3);
+                pf += 64;
+                npf--;
+            }
             a0 = _mm512_add_ps(a0, _mm512_mul_ps(wj, _mm512_loadu_ps(v)));
             a1 = _mm512_add_ps(a1, _mm512_mul_ps(wj, _mm512_loadu_ps(v + 16)));
             a2 = _mm512_add_ps(a2, _mm512_mul_ps(wj, _mm512_loadu_ps(v + 32)));
@@ -621,7 +627,7 @@ COLI_T_AVX512 static inline void coli_fold16_avx512(__m512 a0, __m512 a1, __m512
  * bits, half the instructions. Rows after the last multiple of 8: coli_dots_avx2. */
 COLI_T_AVX512 static void coli_dots2_avx512(const float *qq, const float *q0, const float *q1,
                                             const float *K, coli_ix n, coli_ix D, float *out0,
-                                            float *out1)
+                                            float *out1, const char *pf, coli_ix npf)
 {
     coli_ix j, d;
     for (j = 0; j + 8 <= n; j += 8) {
@@ -630,6 +636,11 @@ COLI_T_AVX512 static void coli_dots2_avx512(const float *qq, const float *q0, co
         __m512 a7 = a0;
         for (d = 0; d < D; d += 8) {
             __m512 x = _mm512_loadu_ps(qq + 2 * d);
+            if (npf > 0) {          /* a line of the next block (coli_group_dots) */
+                __builtin_prefetch(pf, 0, 3);
+                pf += 64;
+                npf--;
+            }
 #define COLI_ROW8(r) \
     _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(k + (r) * D + d))))
             a0 = _mm512_add_ps(a0, _mm512_mul_ps(x, COLI_ROW8(0)));
@@ -705,22 +716,25 @@ static int coli_group_avx512(int level, coli_ix D)
 /* p[i * n + j0 + r] = q_i . rows[r] for the nh heads and the m rows of a block (coli_dot's bits:
  * AVX-512 takes the heads two at a time). */
 static void coli_group_dots(const float *q, const float *rows, coli_ix m, coli_ix D, coli_ix nh,
-                            float *p, coli_ix n, coli_ix j0, int level)
+                            float *p, coli_ix n, coli_ix j0, const float *next, coli_ix mnext,
+                            int level)
 {
     coli_ix i = 0;
     int avx2 = coli_ops_avx2(level, D);
 #if COLI_X86
     if (coli_group_avx512(level, D)) {
         float qq[2 * 512];
-        coli_ix d, l;
+        coli_ix d, l, lines = mnext * D / 16, share = (lines + nh / 2 - 1) / (nh / 2 > 0 ? nh / 2 : 1);
         for (; i + 2 <= nh; i += 2) {
+            coli_ix first = i / 2 * share, cnt = lines - first < share ? lines - first : share;
             const float *q0 = q + i * D, *q1 = q0 + D;
             for (d = 0; d < D; d += 8)
                 for (l = 0; l < 8; l++) {
                     qq[2 * d + l] = q0[d + l];
                     qq[2 * d + 8 + l] = q1[d + l];
                 }
-            coli_dots2_avx512(qq, q0, q1, rows, m, D, p + i * n + j0, p + (i + 1) * n + j0);
+            coli_dots2_avx512(qq, q0, q1, rows, m, D, p + i * n + j0, p + (i + 1) * n + j0,
+                              (const char *)next + first * 64, cnt > 0 ? cnt : 0);
         }
     }
 #endif
@@ -730,14 +744,19 @@ static void coli_group_dots(const float *q, const float *rows, coli_ix m, coli_i
 
 /* out_i += w_i[j0 + r] * rows[r] for the nh heads (w: nh rows of n weights), rows in order. */
 static void coli_group_weighted(const float *w, coli_ix n, coli_ix j0, const float *rows,
-                                coli_ix m, coli_ix D, coli_ix nh, float *out, int level)
+                                coli_ix m, coli_ix D, coli_ix nh, float *out, const float *next,
+                                coli_ix mnext, int level)
 {
     coli_ix i;
     int avx2 = coli_ops_avx2(level, D);
 #if COLI_X86
     if (coli_group_avx512(level, D)) {
-        for (i = 0; i < nh; i++)
-            coli_weighted_rows_avx512(w + i * n + j0, rows, m, D, out + i * D);
+        coli_ix lines = mnext * D / 16, share = (lines + nh - 1) / nh;
+        for (i = 0; i < nh; i++) {
+            coli_ix first = i * share, cnt = lines - first < share ? lines - first : share;
+            coli_weighted_rows_avx512(w + i * n + j0, rows, m, D, out + i * D,
+                                      (const char *)next + first * 64, cnt > 0 ? cnt : 0);
+        }
         return;
     }
 #endif
@@ -760,12 +779,14 @@ static void coli_attend_group(const float *q, const float *K, const float *V, co
     V += lo * D;
     for (j = 0; j < n; j += m) {
         m = n - j < B ? n - j : B;
-        coli_group_dots(q, K + j * D, m, D, nh, p, n, j, level);
+        coli_group_dots(q, K + j * D, m, D, nh, p, n, j, K + (j + m) * D,
+                        n - j - m < B ? n - j - m : B, level);
     }
     coli_group_softmax(p, nh, n, D, scale, out, level);
     for (j = 0; j < n; j += m) {
         m = n - j < B ? n - j : B;
-        coli_group_weighted(p, n, j, V + j * D, m, D, nh, out, level);
+        coli_group_weighted(p, n, j, V + j * D, m, D, nh, out, V + (j + m) * D,
+                            n - j - m < B ? n - j - m : B, level);
     }
 }
 
@@ -938,13 +959,13 @@ static void coli_attend_group_h(const float *q, const uint16_t *K, const uint16_
     for (j = 0; j < n; j += m) {
         m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
         coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
-        coli_group_dots(q, buf, m, D, nh, p, n, j, level);
+        coli_group_dots(q, buf, m, D, nh, p, n, j, buf, 0, level);
     }
     coli_group_softmax(p, nh, n, D, scale, out, level);
     for (j = 0; j < n; j += m) {
         m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
         coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
-        coli_group_weighted(p, n, j, buf, m, D, nh, out, level);
+        coli_group_weighted(p, n, j, buf, m, D, nh, out, buf, 0, level);
     }
 }
 
