@@ -70,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--min-time", type=float, default=0.05, help="seconds per timed batch")
     ap.add_argument("--cold-mib", type=int, default=256)
     ap.add_argument("--f16", action="store_true", help="a float16 cache (attend_one_f16)")
+    ap.add_argument("--bandwidth-mib", type=int, default=512, help="numpy's read measure's array")
     a = ap.parse_args(argv)
     try:
         positions = [int(x) for x in a.positions.split(",")]
@@ -77,6 +78,8 @@ def main(argv=None):
         shapes = [(s, SHAPES[s]) for s in a.shapes.split(",")]
     except (ValueError, KeyError) as e:
         sys.exit(f"attention.py: bad --positions / --threads / --shapes ({e})")
+    if min(positions) < 1 or min(threads) < 1 or a.rounds < 1:
+        sys.exit("attention.py: --positions, --threads and --rounds must be >= 1")
     if a.before and not os.path.isfile(a.before):
         sys.exit(f"attention.py: no such file {a.before}")
     mods = {"after": qm}
@@ -84,7 +87,7 @@ def main(argv=None):
         mods["before"] = load_extension(a.before)
     print(format_summary(machine_summary()))
     print(f"simd {qm.simd_level()}, float16 cache: {a.f16}, cold set >= {a.cold_mib} MiB")
-    bw = {t: ram_read_gbps(t, nbytes=1 << 29, repeats=3) for t in threads}
+    bw = {t: ram_read_gbps(t, nbytes=a.bandwidth_mib << 20, repeats=3) for t in threads}
     rng = np.random.default_rng(0)
     rows = []
     for name, (H, KV, D) in shapes:
