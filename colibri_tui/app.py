@@ -344,6 +344,7 @@ class ColiApp(App):
             try:
                 from models import open_model
                 engine = open_model(path, **options)
+                engine.warm_experts()    # the model fits: its experts read now, in the background
             except ColiError as e:
                 self._from_thread(self._engine_failed, path, str(e), seq)
                 return

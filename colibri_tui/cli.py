@@ -325,6 +325,7 @@ def cmd_run(args) -> int:
     except ValueError as e:
         raise ColiError(str(e)) from None
     engine = _open(args)
+    engine.warm_experts()       # the model fits: every expert read now, not at its first token
     prompt = _parse_ids(args.ids) if args.ids is not None else args.prompt
     stats = None
     if args.trace:

@@ -46,14 +46,18 @@ def _light(stats: Stats) -> dict:
 
 
 def run_generation(engine, messages, sampling, max_new_tokens: int, post: Callable[[dict], None],
-                   cancelled: Callable[[], bool] = lambda: False, stop=(), interval: float = 0.05,
+                   cancelled: Callable[[], bool] = lambda: False, stop=(), interval: float = 0.15,
                    snapshot_interval: float = 0.25, ready: Callable[[], bool] = lambda: True,
                    after: Callable[[str], None] | None = None) -> dict:
     """Generate and post batches; returns the summary {"text", "reason", "stats", "error"}.
     While ``ready()`` is False (the UI has not applied the previous batch) events keep
     accumulating instead: a slow terminal gets bigger batches, never a growing queue.
     ``after(reason)``: called on this thread once the engine is done and before the final batch
-    (the app saves the chat's cache there: no next turn can start while the cache is written)."""
+    (the app saves the chat's cache there: no next turn can start while the cache is written).
+    ``interval`` 0.15 s, not less: every batch costs the UI thread a layout and a repaint (0.98 s
+    of its CPU for a 33-batch reply, ~30 ms a batch, on the loaded 2-core VM: benchmarks/
+    user_path.py app-ui), and that thread shares the cores with the kernel threads; a batch every
+    0.05 s at full decode speed would take most of a core from them."""
     text_all, pending, tokens = [], [], 0
     latest: Stats | None = None
     final: Stats | None = None

@@ -52,7 +52,8 @@ JOURNAL = ".coli_convert.json"
 LOCK = ".coli_convert.lock"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-                "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+                "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                "tiktoken.model", "tokenization_kimi.py")   # Kimi's tokenizer (core/tiktoken_bpe.py)
 FP8_SCALE_SUFFIX = "_scale_inv"
 FP8_BLOCK = 128
 CONVERTER_VERSION = 1

@@ -42,7 +42,9 @@ PART_DIR = Path(".cache") / "colibri"
 CHUNK = 1 << 20
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
-              "vocab.json", "merges.txt", "added_tokens.json", "model.safetensors.index.json")
+              "vocab.json", "merges.txt", "added_tokens.json", "model.safetensors.index.json",
+              # Kimi's tokenizer: the tiktoken ranks, and the module whose pat_str splits the text
+              "tiktoken.model", "tokenization_kimi.py")
 DEFAULT_ENDPOINT = "https://huggingface.co"
 TIMEOUT_S = 30.0
 SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -193,6 +193,7 @@ class Engine:
         self.usage_history: dict[tuple[int, int], float] = {}
         self.usage_file = None       # where save_usage() writes the merged history (.coli_usage)
         self.routed: dict[int, list[int]] = {}     # layer -> experts of the latest step (live view)
+        self._all_in_ram = False     # warm_experts() read every expert: nothing left to predict
         self._kv_spare: list[dict] | None = None    # a finished cache's arrays (new_cache)
         self._spare_capacity = 0
         self.fused_attention = True      # False: the step-by-step attention (benchmarks, tests)
@@ -255,7 +256,7 @@ class Engine:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
         after layer i's attention and ask the store to start reading those experts."""
         j = self._next_moe[i]
-        if j is None or not getattr(self.store, "prefetch_enabled", False):
+        if j is None or self._all_in_ram or not getattr(self.store, "prefetch_enabled", False):
             return
         L = self.layers[j]
         ranked = L.router.predict(rms_norm(x, L.post_norm, self.spec.rms_norm_eps))
@@ -384,6 +385,26 @@ class Engine:
             pool.bytes_per_position = cache_kinds.bytes_per_position(self.spec.cache_kinds, self.kv_dtype.name)
         return pool
 
+    def warm_experts(self) -> bool:
+        """When the store's RAM tier has a slot for every routed expert (the model fits), start
+        reading them all now (the store's I/O threads when prefetch is on, else here), as
+        llama.cpp's default load copies every weight: a first generation then decodes at the
+        speed of the next ones instead of reading each expert at its first use (benchmarks/
+        README.md, "The speed users see"). Placement only, never bits. False: not everything fits."""
+        st, n = self.store, self.spec.num_experts
+        if getattr(st, "cap", 0) < n:
+            return False
+        for i, L in enumerate(self.layers):
+            if L.kind != "moe":
+                continue
+            if getattr(st, "prefetch_enabled", False):
+                st.prefetch(i, range(n))
+            else:
+                for _ in st.request(i, range(n)):
+                    pass
+        self._all_in_ram = True      # no step can miss: lookahead prediction would be wasted work
+        return True
+
     def cancel(self) -> None:
         """Stop the running generate() soon: before the next token, or within a prefill (between
         chunks, layers and expert batches); it then ends with Done("cancelled"). Only the
@@ -400,7 +421,7 @@ class Engine:
         if isinstance(prompt, (list, tuple, np.ndarray)) and (len(prompt) == 0 or not isinstance(prompt[0], dict)):
             return [int(t) for t in prompt]
         if self.tokenizer is None:
-            raise ColiError(f"{self.container.path} has no tokenizer.json; pass token ids (--ids)")
+            raise ColiError(f"{self.container.path} has no tokenizer (tokenizer.json or tiktoken.model); pass token ids (--ids)")
         if isinstance(prompt, str):
             if raw:
                 return self.tokenizer.encode(prompt)
@@ -540,6 +561,7 @@ class Engine:
             text += decoder.flush() if decoder is not None else ""
             if emitted < len(text):
                 yield Token(-1, text[emitted:])     # held-back tail, no new token
+        final = stats(final=True)    # the decode's clock stops here, before the history is written
         self.save_usage()
-        yield stats(final=True)
+        yield final
         yield Done(reason, stop=matched)

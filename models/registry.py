@@ -20,6 +20,16 @@ FAMILIES["kimi_k2"] = DeepseekV3
 # Qwen3.5 / 3.6: the composite image-text type and its text-only form, one family
 FAMILIES["qwen3_5_moe_text"] = Qwen3_5Moe
 
+# Types people will try that are not a family yet, and why (one line instead of "unsupported").
+NOT_YET = {
+    # Kimi K3 is its own type, not kimi_linear: llama.cpp's converter (conversion/kimi_k3.py)
+    # lists what it adds; transformers 5.24 has no implementation to check ours against.
+    "kimi_k3": "Kimi K3 (model_type kimi_k3) is not kimi_linear: it adds cross-layer attention "
+               "residuals, a latent MoE, the situ activation, an MLA output gate, a full-rank KDA "
+               "gate and MXFP4 experts, and transformers 5.24 has no implementation to check them "
+               "against; Kimi-Linear-48B-A3B (kimi_linear) runs",
+}
+
 
 def supported_types() -> list[str]:
     return sorted(FAMILIES)
@@ -27,6 +37,8 @@ def supported_types() -> list[str]:
 
 def family_for(config: dict):
     model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in NOT_YET:
+        raise ColiError(f"unsupported model_type {model_type!r}: {NOT_YET[model_type]}")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ColiError(f"unsupported model_type {model_type!r} (supported: {', '.join(supported_types())})")
     return FAMILIES[model_type]

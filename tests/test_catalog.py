@@ -146,7 +146,7 @@ def test_hybrid_entries_count_the_fixed_state_once():
     assert qwen.state_bytes == 30 * ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128) * 4
     assert kimi.kv_bytes_per_pos == 7 * (512 + 64) * 4                     # 7 MLA layers' latent
     assert kimi.state_bytes == 20 * (3 * 32 * 128 * 3 + 32 * 128 * 128) * 4
-    assert kimi.pending and not qwen.pending
+    assert not kimi.pending and not qwen.pending      # Kimi's tiktoken.model: core/tiktoken_bpe.py
     for e in (qwen, kimi):
         est = estimate(e.config, e.family)
         assert est["state_bytes"] == e.state_bytes
@@ -159,12 +159,12 @@ def test_hybrid_entries_count_the_fixed_state_once():
     assert s.verdict == "ram" and "4096-token context 0.2 GB (fixed state 0.07 GB)" in s.text
 
 def test_huge_entries_numbers_and_fit():
-    """GLM-5 (744B-A40B): ~420 GB at int4, a 1.5 TB BF16 download; DeepSeek-V3.1 671B; Kimi-K2 1T
-    (not offered yet: pending). The fit check streams them, or says what is missing."""
+    """GLM-5 (744B-A40B): ~420 GB at int4, a 1.5 TB BF16 download; DeepSeek-V3.1 671B; Kimi-K2 1T.
+    The fit check streams them, or says what is missing."""
     from models.catalog import fit, load
     offered = {e.repo: e for e in load()}
     every = {e.repo: e for e in load(include_pending=True)}
-    assert "moonshotai/Kimi-K2-Instruct" not in offered and every["moonshotai/Kimi-K2-Instruct"].pending
+    assert "moonshotai/Kimi-K2-Instruct" in offered and not every["moonshotai/Kimi-K2-Instruct"].pending
     glm5 = offered["zai-org/GLM-5"]
     assert 740 < glm5.params_b < 748 and 39 < glm5.active_b < 43
     assert 400 < glm5.disk_gb < 440 and 1450 < glm5.download_gb < 1550 and glm5.mtp_gb > 0
@@ -188,7 +188,7 @@ from tests.test_wizard import env, make_app, repo_dir, wizard_shown  # noqa: E40
 
 def test_the_wizard_lists_glm5_streaming(env, monkeypatch):
     """The catalog with GLM-5 on a 64 GB machine with 3 TB free: its row says it streams, the line
-    under the table gives the speed and the 4096-token context's cost; Kimi-K2 is not offered."""
+    under the table gives the speed and the 4096-token context's cost; Kimi-K2 is offered too."""
     from collections import namedtuple
 
     import psutil
@@ -208,7 +208,7 @@ def test_the_wizard_lists_glm5_streaming(env, monkeypatch):
             table = wiz.query_one("#catalog")
             await wait_for(pilot, lambda: table.row_count > 0)
             keys = [r.key.value for r in table.ordered_rows]
-            assert "zai-org/GLM-5" in keys and "moonshotai/Kimi-K2-Instruct" not in keys
+            assert "zai-org/GLM-5" in keys and "moonshotai/Kimi-K2-Instruct" in keys
             row = keys.index("zai-org/GLM-5")
             cells = [str(c) for c in table.get_row("zai-org/GLM-5")]
             assert "743.9B (41.8B)" in cells and any(c.startswith("streams ≈") for c in cells)

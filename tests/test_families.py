@@ -84,6 +84,7 @@ def test_glm_moe_dsa_indexer_types_in_every_spelling():
     ("glmdsa-a", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
     ("glmdsa-a", {"q_lora_rank": None}, "q_lora_rank = null"),
     ("glmdsa-a", {"mlp_layer_types": ["dense"]}, "mlp_layer_types must list"),
+    ("kimilinear-a", {"model_type": "kimi_k3"}, "Kimi K3 .* is not kimi_linear: it adds cross-layer attention residuals"),
     ("glm4moe-a", {"partial_rotary_factor": 0.01, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
      "partial_rotary_factor"),
 ])
