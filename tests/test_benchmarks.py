@@ -2,6 +2,8 @@
 with the options it was given, on a small real container."""
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import oracle_names
 
 
@@ -139,3 +141,18 @@ def test_kernel_ab_compares_old_and_new_decode_kernels(capsys):
         rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.strip().startswith("70x200")]
         assert [r[1] for r in rows] == ["1", "2"]
         assert all(float(r[2]) >= 0 and float(r[4]) >= 0 for r in rows)   # old, new GB/s
+
+def test_attention_benchmark_times_two_builds_in_one_process(capsys):
+    """benchmarks/attention.py loads a second build of the extension (here: the same file) under
+    another name and alternates the two; bad arguments give one line and a non-zero exit."""
+    qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
+    from benchmarks import attention
+
+    attention.main(["--before", qm.__file__, "--positions", "16", "--threads", "1", "--shapes",
+                    "olmoe,qwen36", "--rounds", "1", "--min-time", "0.001", "--cold-mib", "1",
+                    "--bandwidth-mib", "8"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if "S=" in ln]
+    assert len(rows) == 2 and all("before" in r and "GB/s" in r for r in rows)
+    with pytest.raises(SystemExit) as e:
+        attention.main(["--positions", "many"])
+    assert "bad --positions" in str(e.value)
