@@ -10,6 +10,10 @@
  *
  * Optionally the MoE router that follows (post-attention norm, logits, softmax top-k).
  *
+ * Gated attention (Qwen3.5 / 3.6, W->gated): q's product has 2 H D rows, per head [q_h | gate_h];
+ * the gate rows are set apart after the bias and the attention output is multiplied by
+ * sigmoid(gate) (coli_sigmoid_gate, which the one-position step path calls too) before o.
+ *
  * Same bits as the separate calls: every piece is the function those calls run (coli_q4_rows per
  * output row, coli_rms_norm, coli_rope, coli_attend_head[_h], coli_matvec_rows,
  * coli_softmax_topk), in the same order, float32 adds for the biases and the residual (numpy's),
@@ -19,6 +23,7 @@
 #ifndef COLI_ATTENTION_BLOCK_H
 #define COLI_ATTENTION_BLOCK_H
 
+#include <math.h>
 #include <string.h>
 
 #include "layer_ops.h"
@@ -42,7 +47,21 @@ typedef struct {
     const float *post_norm, *router;
     coli_ix E, top_k;
     int norm_topk;
+    int gated;                  /* q rows per head [q_h | gate_h]; output * sigmoid(gate) */
 } coli_attn_w;
+
+/* y[i] = y[i] * sigmoid(g[i]) as numpy's out * (1 / (1 + exp(-gate))) in float32, with libm's
+ * expf: gated attention's output gate. The block and the one-position step path (qmatmul's
+ * sigmoid_gate) both call this, since numpy's exp has bits of its own. */
+static void coli_sigmoid_gate(float *y, const float *g, coli_ix n)
+{
+    coli_ix i;
+    for (i = 0; i < n; i++) {
+        float t = expf(-g[i]);
+        t = 1.0f + t;
+        y[i] = y[i] * (1.0f / t);
+    }
+}
 
 static coli_ix coli_up16(coli_ix n)
 {
@@ -104,7 +123,7 @@ static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S, int h
     return (size_t)(coli_up16(W->hidden) * 2 + coli_xlay_carve(NULL, W->hidden, W->gs, &l)
                     + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD)
                     + coli_xlay_carve(NULL, HD, W->gs, &l) + coli_up16(W->H * S)
-                    + 2 * coli_up16(W->E)
+                    + 2 * coli_up16(W->E) + (W->gated ? coli_up16(3 * HD) : 0)
                     + (half ? (coli_ix)nt * COLI_KV_CHUNK * W->D : 0));
 }
 
@@ -118,11 +137,12 @@ static int coli_thread(void)
 }
 
 /* Query head h of one position: coli_attend_head, or its float16-cache form (buf: its widening
- * buffer), as coli_attend_one runs them. */
+ * buffer), as coli_attend_one runs them; with gate != NULL, then times sigmoid(gate) (the step
+ * path's separate pass over the whole output, head by head here: the same bits). */
 static void coli_attend_block_head(const float *q, const void *K, const void *V, coli_ix ks,
                                    coli_ix vs, int half, coli_ix h, coli_ix G, coli_ix D,
                                    coli_ix lo, coli_ix S, float scale, float *p, coli_ix n,
-                                   float *buf, float *att, int avx2)
+                                   float *buf, float *att, int avx2, const float *gate)
 {
     if (half)
         coli_attend_head_h(q + h * D, (const uint16_t *)K + (h / G) * ks,
@@ -132,6 +152,8 @@ static void coli_attend_block_head(const float *q, const void *K, const void *V,
         coli_attend_head(q + h * D, (const float *)K + (h / G) * ks,
                          (const float *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
                          att + h * D, avx2);
+    if (gate != NULL)
+        coli_sigmoid_gate(att + h * D, gate + h * D, D);
 }
 
 /* x [hidden] -> out [hidden]; with a router also h [hidden] (the post-attention norm of out),
@@ -160,14 +182,18 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     float *logits = p + coli_up16(H * S), *probs = logits + coli_up16(W->E);
     float *wide = probs + coli_up16(W->E);     /* half: COLI_KV_CHUNK * D floats per thread */
     float *q = qkv, *k = qkv + HD, *v = k + KV * D;
+    /* gated: q's product [H, 2, D] lands in qg, then splits into q and gate */
+    float *gate = W->gated ? wide + (half ? (coli_ix)nt * COLI_KV_CHUNK * D : 0) : NULL;
+    float *qg = W->gated ? gate + HD : q;
+    const coli_ix QO = W->gated ? 2 * HD : HD;
     float *ys[3];
-    coli_ix Os[3], first[4], rb1 = coli_decode_rows(HD + 2 * KV * D, nt), rb2;
+    coli_ix Os[3], first[4], rb1 = coli_decode_rows(QO + 2 * KV * D, nt), rb2;
     coli_ix nblk1, nblk2, i;
     int m, heads_apart;
-    ys[0] = q;
+    ys[0] = qg;
     ys[1] = k;
     ys[2] = v;
-    Os[0] = HD;
+    Os[0] = QO;
     Os[1] = Os[2] = KV * D;
     first[0] = 0;
     for (m = 0; m < 3; m++)
@@ -204,6 +230,11 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
                 if (W->bias[mm] != NULL)
                     for (j = 0; j < Os[mm]; j++)
                         ys[mm][j] = ys[mm][j] + W->bias[mm][j];
+            if (W->gated)
+                for (h = 0; h < H; h++) {
+                    memcpy(q + h * D, qg + 2 * h * D, sizeof(float) * (size_t)D);
+                    memcpy(gate + h * D, qg + (2 * h + 1) * D, sizeof(float) * (size_t)D);
+                }
             if (W->qk_norm == COLI_QK_FULL) {
                 coli_rms_norm(q, W->q_norm, q, 1, HD, W->eps);
                 coli_rms_norm(k, W->k_norm, k, 1, KV * D, W->eps);
@@ -237,7 +268,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
             if (!heads_apart) {
                 for (h = 0; h < H; h++)
                     coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
-                                           wide, att, avx2);
+                                           wide, att, avx2, gate);
                 coli_xlay_prep(i8, cb, att, HD, gs, &in2);
             }
         }
@@ -248,7 +279,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
             for (h = 0; h < H; h++)
                 coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
                                        wide + (coli_ix)coli_thread() * COLI_KV_CHUNK * D, att,
-                                       avx2);
+                                       avx2, gate);
 #ifdef _OPENMP
 #pragma omp single
 #endif
