@@ -15,10 +15,10 @@
  * sigmoid(gate) (coli_sigmoid_gate, which the one-position step path calls too) before o.
  *
  * Same bits as the separate calls: every piece is the function those calls run (coli_q4_rows per
- * output row, coli_rms_norm, coli_rope, coli_attend_head[_h], coli_matvec_rows,
- * coli_softmax_topk), in the same order, float32 adds for the biases and the residual (numpy's),
- * and numpy's rounding for a float16 cache's new row (coli_f2h). Int4 projections with one group
- * size only; callers fall back to the separate calls otherwise.
+ * output row, coli_rms_norm, coli_rope, coli_attend_head[_h], coli_sigmoid_gate,
+ * coli_matvec_rows, coli_softmax_topk), in the same order, float32 adds for the biases and the
+ * residual (numpy's), and numpy's rounding for a float16 cache's new row (coli_f2h). Int4
+ * projections with one group size only; callers fall back to the separate calls otherwise.
  */
 #ifndef COLI_ATTENTION_BLOCK_H
 #define COLI_ATTENTION_BLOCK_H

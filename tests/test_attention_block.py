@@ -3,8 +3,9 @@ step-by-step path it replaces (core.blocks.attention.GQAAttention's operations a
 bits of the output and of the key / value written into the cache, for every q/k norm kind, with
 biases and clipping, grouped-query heads, a sliding window, a context long enough to split the
 heads between threads, float32 and float16 caches, every SIMD variant, the opt-in int8
-activations and several thread counts; and the MoE router it can end with (post-attention norm,
-logits, softmax top-k)."""
+activations and several thread counts; gated attention (Qwen3.5 / 3.6: q's rows per head
+[q_h | gate_h], the output times sigmoid(gate)); and the MoE router it can end with
+(post-attention norm, logits, softmax top-k)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
