@@ -8,7 +8,9 @@
  * results never depend on the thread count (the attention splits whole heads between threads).
  * The attention's dot products and weighted sums also have AVX2 variants (x86-64, picked at run
  * time from qkern.h's level) with the same per-lane operations: the same bits as the portable
- * loops.
+ * loops. The softmax's exp is this file's own (coli_exp: portable C with fmaf, AVX2, AVX-512 and
+ * NEON, the same operations per element, ~1 ulp), so it too gives the same bits in every variant
+ * and on every platform, and runs 8-16 scores per instruction instead of one libm call each.
  * Built with -ffp-contract=off like qkern.h, so the rotary embedding gives exactly the bits of
  * the numpy expression it replaces (core.kernels.rope's reference); the others agree with their
  * numpy references (core.kernels) to float32 rounding.
@@ -173,59 +175,413 @@ static void coli_rope_part(float *x, const float *cs, const float *sn, coli_ix H
     }
 }
 
-/* The scores p[0..n) become exp(scale * p[j] - max) in place (softmax before the division);
- * returns their sum. */
-static float coli_softmax_unnorm(float *p, coli_ix n, float scale)
+/* ---- exp and the softmax's numerator ------------------------------------------------------
+ * One exp, written four times (portable C with fmaf, AVX2, AVX-512, NEON) with the same
+ * operations in the same order per element, so every variant gives the same bits:
+ *   x clamped to [-104, 89] (a NaN becomes -104, and is put back at the end; below -104 the
+ *   result rounds to 0 and above 88.73 it overflows to inf anyway, which the clamped path gives);
+ *   n = round(x / ln2) by the 1.5 * 2^23 shifter (n sits in the low bits of k);
+ *   r = x - n ln2 in two FMAs (ln2 as hi + lo); exp(r) on |r| <= ln2/2 by Cephes' degree-7
+ *   polynomial in Horner form with FMAs; times 2^n as two exact powers of two 2^(n/2) (both
+ *   normal), so a subnormal result is rounded once.
+ * Max error ~1 ulp of float64 exp over [-104, 0] (tests/test_layer_ops.py measures it). libm's
+ * expf is not used: it is one call per score and its bits differ between platforms. */
+#define COLI_EXP_LO (-104.0f)
+#define COLI_EXP_HI 89.0f
+#define COLI_EXP_SHIFT 12582912.0f                 /* 1.5 * 2^23 */
+#define COLI_EXP_LOG2E 1.44269502162933349609375f  /* float(1 / ln 2) */
+#define COLI_EXP_LN2HI 0.693145751953125f          /* ln 2, high bits */
+#define COLI_EXP_LN2LO 1.428606765330187045e-06f   /* ln 2 - LN2HI */
+#define COLI_EXP_P0 1.9875691500e-4f
+#define COLI_EXP_P1 1.3981999507e-3f
+#define COLI_EXP_P2 8.3334519073e-3f
+#define COLI_EXP_P3 4.1665795894e-2f
+#define COLI_EXP_P4 1.6666665459e-1f
+#define COLI_EXP_P5 5.0000001201e-1f
+
+static float coli_exp(float x)
 {
-    coli_ix j;
-    float m = -INFINITY, sum = 0.0f;
-    for (j = 0; j < n; j++) {
-        p[j] = p[j] * scale;
-        if (p[j] > m)
-            m = p[j];
-    }
-    for (j = 0; j < n; j++) {
-        p[j] = expf(p[j] - m);
-        sum += p[j];
-    }
-    return sum;
+    union { float f; int32_t i; uint32_t u; } k, sh, s1, s2;
+    float xc = x > COLI_EXP_LO ? x : COLI_EXP_LO, j, r, y;
+    uint32_t b;
+    xc = xc < COLI_EXP_HI ? xc : COLI_EXP_HI;
+    sh.f = COLI_EXP_SHIFT;
+    k.f = fmaf(xc, COLI_EXP_LOG2E, COLI_EXP_SHIFT);
+    j = k.f - COLI_EXP_SHIFT;
+    r = fmaf(-j, COLI_EXP_LN2HI, xc);
+    r = fmaf(-j, COLI_EXP_LN2LO, r);
+    y = fmaf(COLI_EXP_P0, r, COLI_EXP_P1);
+    y = fmaf(y, r, COLI_EXP_P2);
+    y = fmaf(y, r, COLI_EXP_P3);
+    y = fmaf(y, r, COLI_EXP_P4);
+    y = fmaf(y, r, COLI_EXP_P5);
+    y = fmaf(y, r * r, r);
+    y = y + 1.0f;
+    b = (uint32_t)(k.i - sh.i + 254);       /* n + 254 in [104, 382] */
+    s1.u = (b >> 1) << 23;                  /* 2^floor(n/2), 2^ceil(n/2) */
+    s2.u = (b - (b >> 1)) << 23;
+    y = y * s1.f * s2.f;
+    return x != x ? x : y;
 }
 
 #if COLI_X86
-/* coli_weighted_rows' AVX2 variant (D % 8 == 0): the same operations, 8 columns at a time. */
-COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *p, float sum, const float *V,
-                                                coli_ix n, coli_ix D, float *out)
+COLI_T_AVX2 static inline __m256 coli_exp_avx2(__m256 x)
 {
-    coli_ix j, d;
-    for (j = 0; j < n; j++) {
-        const float *v = V + j * D;
-        __m256 pj = _mm256_set1_ps(p[j] / sum);
-        for (d = 0; d < D; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d),
-                                                    _mm256_mul_ps(pj, _mm256_loadu_ps(v + d))));
+    const __m256 sh = _mm256_set1_ps(COLI_EXP_SHIFT);
+    __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(COLI_EXP_LO));     /* x > lo ? x : lo */
+    __m256 k, j, r, y;
+    __m256i b, b1;
+    xc = _mm256_min_ps(xc, _mm256_set1_ps(COLI_EXP_HI));           /* xc < hi ? xc : hi */
+    k = _mm256_fmadd_ps(xc, _mm256_set1_ps(COLI_EXP_LOG2E), sh);
+    j = _mm256_sub_ps(k, sh);
+    r = _mm256_fnmadd_ps(j, _mm256_set1_ps(COLI_EXP_LN2HI), xc);
+    r = _mm256_fnmadd_ps(j, _mm256_set1_ps(COLI_EXP_LN2LO), r);
+    y = _mm256_fmadd_ps(_mm256_set1_ps(COLI_EXP_P0), r, _mm256_set1_ps(COLI_EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(COLI_EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(COLI_EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(COLI_EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(COLI_EXP_P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    b = _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(k), _mm256_castps_si256(sh)),
+                         _mm256_set1_epi32(254));
+    b1 = _mm256_srli_epi32(b, 1);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(b1, 23)));
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(b, b1), 23)));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+COLI_T_AVX512 static inline __m512 coli_exp_avx512(__m512 x)
+{
+    const __m512 sh = _mm512_set1_ps(COLI_EXP_SHIFT);
+    __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(COLI_EXP_LO));
+    __m512 k, j, r, y;
+    __m512i b, b1;
+    xc = _mm512_min_ps(xc, _mm512_set1_ps(COLI_EXP_HI));
+    k = _mm512_fmadd_ps(xc, _mm512_set1_ps(COLI_EXP_LOG2E), sh);
+    j = _mm512_sub_ps(k, sh);
+    r = _mm512_fnmadd_ps(j, _mm512_set1_ps(COLI_EXP_LN2HI), xc);
+    r = _mm512_fnmadd_ps(j, _mm512_set1_ps(COLI_EXP_LN2LO), r);
+    y = _mm512_fmadd_ps(_mm512_set1_ps(COLI_EXP_P0), r, _mm512_set1_ps(COLI_EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(COLI_EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(COLI_EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(COLI_EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(COLI_EXP_P5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    b = _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(k), _mm512_castps_si512(sh)),
+                         _mm512_set1_epi32(254));
+    b1 = _mm512_srli_epi32(b, 1);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(b1, 23)));
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(b, b1), 23)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+#endif
+
+#if COLI_ARM
+static inline float32x4_t coli_exp_neon(float32x4_t x)
+{
+    const float32x4_t sh = vdupq_n_f32(COLI_EXP_SHIFT), lo = vdupq_n_f32(COLI_EXP_LO);
+    const float32x4_t hi = vdupq_n_f32(COLI_EXP_HI);
+    float32x4_t xc = vbslq_f32(vcgtq_f32(x, lo), x, lo), k, j, r, y;
+    uint32x4_t b, b1;
+    xc = vbslq_f32(vcltq_f32(xc, hi), xc, hi);
+    k = vfmaq_f32(sh, xc, vdupq_n_f32(COLI_EXP_LOG2E));
+    j = vsubq_f32(k, sh);
+    r = vfmsq_f32(xc, j, vdupq_n_f32(COLI_EXP_LN2HI));
+    r = vfmsq_f32(r, j, vdupq_n_f32(COLI_EXP_LN2LO));
+    y = vfmaq_f32(vdupq_n_f32(COLI_EXP_P1), vdupq_n_f32(COLI_EXP_P0), r);
+    y = vfmaq_f32(vdupq_n_f32(COLI_EXP_P2), y, r);
+    y = vfmaq_f32(vdupq_n_f32(COLI_EXP_P3), y, r);
+    y = vfmaq_f32(vdupq_n_f32(COLI_EXP_P4), y, r);
+    y = vfmaq_f32(vdupq_n_f32(COLI_EXP_P5), y, r);
+    y = vfmaq_f32(r, y, vmulq_f32(r, r));
+    y = vaddq_f32(y, vdupq_n_f32(1.0f));
+    b = vaddq_u32(vsubq_u32(vreinterpretq_u32_f32(k), vreinterpretq_u32_f32(sh)), vdupq_n_u32(254));
+    b1 = vshrq_n_u32(b, 1);
+    y = vmulq_f32(y, vreinterpretq_f32_u32(vshlq_n_u32(b1, 23)));
+    y = vmulq_f32(y, vreinterpretq_f32_u32(vshlq_n_u32(vsubq_u32(b, b1), 23)));
+    return vbslq_f32(vceqq_f32(x, x), y, x);
+}
+#endif
+
+#if COLI_X86
+/* coli_softmax_unnorm_lv's two passes over the whole 8-blocks (scale + max over all n, then exp
+ * and the lane sums) in AVX2, or AVX-512 (16 at a time, summed as two 8-blocks in order). */
+COLI_T_AVX512 static void coli_softmax_pass_avx512(float *p, coli_ix n, coli_ix n8, float scale,
+                                                   float m0, float *m, float *acc)
+{
+    coli_ix j = 0;
+    __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m0);
+    __m256 a = _mm256_loadu_ps(acc);
+    float lanes[16], mm;
+    int l;
+    for (; j + 16 <= n; j += 16) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + j), vs);
+        _mm512_storeu_ps(p + j, x);
+        vm = _mm512_max_ps(x, vm);
+    }
+    _mm512_storeu_ps(lanes, vm);
+    mm = lanes[0];
+    for (l = 1; l < 16; l++)
+        mm = lanes[l] > mm ? lanes[l] : mm;
+    for (; j < n; j++) {
+        p[j] = p[j] * scale;
+        if (p[j] > mm)
+            mm = p[j];
+    }
+    vm = _mm512_set1_ps(mm);
+    for (j = 0; j + 16 <= n8; j += 16) {
+        __m512 e = coli_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(p + j), vm));
+        _mm512_storeu_ps(p + j, e);
+        a = _mm256_add_ps(a, _mm256_loadu_ps(p + j));
+        a = _mm256_add_ps(a, _mm256_loadu_ps(p + j + 8));
+    }
+    if (j < n8) {
+        __m256 e = coli_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(mm)));
+        _mm256_storeu_ps(p + j, e);
+        a = _mm256_add_ps(a, e);
+    }
+    _mm256_storeu_ps(acc, a);
+    *m = mm;
+}
+
+COLI_T_AVX2 static void coli_softmax_pass_avx2(float *p, coli_ix n, coli_ix n8, float scale,
+                                               float m0, float *m, float *acc)
+{
+    coli_ix j = 0;
+    __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(m0), a = _mm256_loadu_ps(acc);
+    float lanes[8], mm;
+    int l;
+    for (; j + 8 <= n; j += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + j), vs);
+        _mm256_storeu_ps(p + j, x);
+        vm = _mm256_max_ps(x, vm);
+    }
+    _mm256_storeu_ps(lanes, vm);
+    mm = lanes[0];
+    for (l = 1; l < 8; l++)
+        mm = lanes[l] > mm ? lanes[l] : mm;
+    for (; j < n; j++) {
+        p[j] = p[j] * scale;
+        if (p[j] > mm)
+            mm = p[j];
+    }
+    vm = _mm256_set1_ps(mm);
+    for (j = 0; j < n8; j += 8) {
+        __m256 e = coli_exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), vm));
+        _mm256_storeu_ps(p + j, e);
+        a = _mm256_add_ps(a, e);
+    }
+    _mm256_storeu_ps(acc, a);
+    *m = mm;
+}
+
+static void coli_softmax_unnorm_x86(float *p, coli_ix n, float scale, int avx512, float *m,
+                                    float *acc)
+{
+    coli_ix n8 = n / COLI_LN * COLI_LN;
+    if (avx512)
+        coli_softmax_pass_avx512(p, n, n8, scale, *m, m, acc);
+    else
+        coli_softmax_pass_avx2(p, n, n8, scale, *m, m, acc);
+}
+#endif
+
+#if COLI_ARM
+static void coli_softmax_unnorm_neon(float *p, coli_ix n, float scale, float *m, float *acc)
+{
+    coli_ix j = 0, n8 = n / COLI_LN * COLI_LN;
+    float32x4_t vs = vdupq_n_f32(scale), vm = vdupq_n_f32(*m);
+    float32x4_t a0 = vld1q_f32(acc), a1 = vld1q_f32(acc + 4);
+    float lanes[4], mm;
+    int l;
+    for (; j + 4 <= n; j += 4) {
+        float32x4_t x = vmulq_f32(vld1q_f32(p + j), vs);
+        vst1q_f32(p + j, x);
+        vm = vbslq_f32(vcgtq_f32(x, vm), x, vm);
+    }
+    vst1q_f32(lanes, vm);
+    mm = lanes[0];
+    for (l = 1; l < 4; l++)
+        mm = lanes[l] > mm ? lanes[l] : mm;
+    for (; j < n; j++) {
+        p[j] = p[j] * scale;
+        if (p[j] > mm)
+            mm = p[j];
+    }
+    vm = vdupq_n_f32(mm);
+    for (j = 0; j < n8; j += 8) {
+        float32x4_t e0 = coli_exp_neon(vsubq_f32(vld1q_f32(p + j), vm));
+        float32x4_t e1 = coli_exp_neon(vsubq_f32(vld1q_f32(p + j + 4), vm));
+        vst1q_f32(p + j, e0);
+        vst1q_f32(p + j + 4, e1);
+        a0 = vaddq_f32(a0, e0);
+        a1 = vaddq_f32(a1, e1);
+    }
+    vst1q_f32(acc, a0);
+    vst1q_f32(acc + 4, a1);
+    *m = mm;
+}
+#endif
+
+/* The softmax's numerator: the scores p[0..n) become exp(scale * p[j] - max) in place; returns
+ * their sum, added in COLI_LN lanes (p[j] into lane j % 8, in order) and folded by
+ * coli_lane_fold -- the same order in every variant. The max is order-free (equal scores give
+ * the same exp; a NaN score is skipped by every variant, as `p > m` skips it). level: qkern.h's
+ * SIMD level (portable where the variant is not built). */
+static float coli_softmax_unnorm_lv(float *p, coli_ix n, float scale, int level)
+{
+    coli_ix j = 0, l, n8 = n / COLI_LN * COLI_LN;
+    float m = -INFINITY, acc[COLI_LN] = {0};
+#if COLI_X86
+    if (level == COLI_AVX2 || level == COLI_AVX512) {
+        coli_softmax_unnorm_x86(p, n, scale, level == COLI_AVX512, &m, acc);
+        j = n8;
+    } else
+#endif
+#if COLI_ARM
+    if (level == COLI_NEON) {
+        coli_softmax_unnorm_neon(p, n, scale, &m, acc);
+        j = n8;
+    } else
+#endif
+    {
+        for (j = 0; j < n; j++) {
+            p[j] = p[j] * scale;
+            if (p[j] > m)
+                m = p[j];
+        }
+        for (j = 0; j < n8; j += COLI_LN)
+            for (l = 0; l < COLI_LN; l++) {
+                p[j + l] = coli_exp(p[j + l] - m);
+                acc[l] += p[j + l];
+            }
+    }
+    (void)level;
+    for (l = 0; j + l < n; l++) {
+        p[j + l] = coli_exp(p[j + l] - m);
+        acc[l] += p[j + l];
+    }
+    return coli_lane_fold(acc);
+}
+
+/* coli_softmax_unnorm_lv at the best variant this CPU runs (the same bits as any other). */
+static float coli_softmax_unnorm(float *p, coli_ix n, float scale)
+{
+    static int best = -1;
+    if (best < 0)
+        best = coli_simd_best();
+    return coli_softmax_unnorm_lv(p, n, scale, best);
+}
+
+#if COLI_X86
+/* coli_weighted_rows' AVX2 variant (D % 8 == 0): the same operations per element, 32 columns
+ * held in registers across the n rows (out is read and written once per call, not per row). */
+COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *w, const float *V, coli_ix n,
+                                                coli_ix D, float *out)
+{
+    coli_ix j, d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out + d + 8);
+        __m256 a2 = _mm256_loadu_ps(out + d + 16), a3 = _mm256_loadu_ps(out + d + 24);
+        for (j = 0; j < n; j++) {
+            const float *v = V + j * D + d;
+            __m256 wj = _mm256_set1_ps(w[j]);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(wj, _mm256_loadu_ps(v)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 8)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 16)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 24)));
+        }
+        _mm256_storeu_ps(out + d, a0);
+        _mm256_storeu_ps(out + d + 8, a1);
+        _mm256_storeu_ps(out + d + 16, a2);
+        _mm256_storeu_ps(out + d + 24, a3);
+    }
+    for (; d < D; d += 8) {
+        __m256 a = _mm256_loadu_ps(out + d);
+        for (j = 0; j < n; j++)
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(V + j * D + d)));
+        _mm256_storeu_ps(out + d, a);
     }
 }
 #endif
 
-/* out[D] += (p[j] / sum) * V[j] for rows j < n, added in order (callers zero out first; a cache
- * read in chunks adds chunk after chunk: the same bits). */
-static void coli_weighted_rows(const float *p, float sum, const float *V, coli_ix n, coli_ix D,
-                               float *out, int avx2)
+/* out[D] += w[j] * V[j] for rows j < n, added in order (callers zero out first; a cache read in
+ * chunks adds chunk after chunk: the same bits). w: the softmax weights, p[j] / sum. */
+static void coli_weighted_rows(const float *w, const float *V, coli_ix n, coli_ix D, float *out,
+                               int avx2)
 {
     coli_ix j, d;
 #if COLI_X86
     if (avx2) {
-        coli_weighted_rows_avx2(p, sum, V, n, D, out);
+        coli_weighted_rows_avx2(w, V, n, D, out);
         return;
     }
 #endif
     (void)avx2;
     for (j = 0; j < n; j++) {
         const float *v = V + j * D;
-        float pj = p[j] / sum;
+        float wj = w[j];
         for (d = 0; d < D; d++)
-            out[d] += pj * v[d];
+            out[d] += wj * v[d];
     }
+}
+
+/* Rows of K / V that the query heads of a group read in turn while the rows sit in L1 (~16 KiB;
+ * a multiple of coli_dots_avx2's 4-row block). */
+static coli_ix coli_group_rows(coli_ix D)
+{
+    coli_ix r = (coli_ix)4096 / (D > 0 ? D : 1) / 4 * 4;
+    return r < 4 ? 4 : r;
+}
+
+/* Scores -> weights of nh heads (p: nh rows of n scores): w = exp(scale * s - max) / sum per
+ * head; out (nh rows of D) zeroed for the weighted sums. */
+static void coli_group_softmax(float *p, coli_ix nh, coli_ix n, coli_ix D, float scale,
+                               float *out, int level)
+{
+    coli_ix i, j;
+    for (i = 0; i < nh; i++) {
+        float *pi = p + i * n, sum = coli_softmax_unnorm_lv(pi, n, scale, level);
+        for (j = 0; j < n; j++)
+            pi[j] = pi[j] / sum;
+        for (j = 0; j < D; j++)
+            out[i * D + j] = 0.0f;
+    }
+}
+
+/* The nh query heads of one kv head (q, out: nh rows of D; p: nh * (S - lo) floats of scratch):
+ * out_i = softmax(scale * q_i . K[j]) . V[j] over cache rows j in [lo, S) (rows of D contiguous
+ * floats). The heads share each pass over K and over V (a block of rows, then every head's dot
+ * products / weighted sums over it), so the cache is read from memory once per group instead of
+ * once per head; each head's arithmetic is coli_attend_head's, in the same order (the same
+ * bits for any grouping). level: qkern.h's SIMD level (every variant: the same bits). */
+static void coli_attend_group(const float *q, const float *K, const float *V, coli_ix nh,
+                              coli_ix D, coli_ix lo, coli_ix S, float scale, float *p, float *out,
+                              int level)
+{
+    coli_ix n = S - lo, B = coli_group_rows(D), j, m, i;
+    int avx2 = coli_ops_avx2(level, D);
+    K += lo * D;
+    V += lo * D;
+    for (j = 0; j < n; j += m) {
+        m = n - j < B ? n - j : B;
+        for (i = 0; i < nh; i++)
+            coli_dots(q + i * D, K + j * D, m, D, p + i * n + j, avx2);
+    }
+    coli_group_softmax(p, nh, n, D, scale, out, level);
+    for (j = 0; j < n; j += m) {
+        m = n - j < B ? n - j : B;
+        for (i = 0; i < nh; i++)
+            coli_weighted_rows(p + i * n + j, V + j * D, m, D, out + i * D, avx2);
+    }
+}
+
+/* The SIMD level of a caller that passes coli_ops_avx2's flag (the same bits either way). */
+static int coli_level_of(int avx2)
+{
+    return avx2 ? COLI_AVX2 : COLI_PORTABLE;
 }
 
 /* One head: out[D] = softmax(scale * q . K[j]) . V[j] over cache rows j in [lo, S) (rows of D
@@ -233,11 +589,7 @@ static void coli_weighted_rows(const float *p, float sum, const float *V, coli_i
 static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
                              coli_ix S, float scale, float *p, float *out, int avx2)
 {
-    coli_ix n = S - lo, d;
-    coli_dots(q, K + lo * D, n, D, p, avx2);
-    for (d = 0; d < D; d++)
-        out[d] = 0.0f;
-    coli_weighted_rows(p, coli_softmax_unnorm(p, n, scale), V + lo * D, n, D, out, avx2);
+    coli_attend_group(q, K, V, 1, D, lo, S, scale, p, out, coli_level_of(avx2));
 }
 
 /* ---- float16 KV cache (opt-in) ----------------------------------------------------------------
@@ -331,10 +683,15 @@ COLI_T_AVX2 static void coli_h2f_avx2(const uint16_t *h, float *f, coli_ix n)
 COLI_T_F16C static void coli_h2f_f16c(const uint16_t *h, float *f, coli_ix n)
 {
     coli_ix i;
+#ifdef COLI_SIMDE_TEST      /* SIMDe has no F16C: the integer conversion (the same values) */
+    (void)i;
+    coli_h2f_avx2(h, f, n);
+#else
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
     for (; i < n; i++)
         f[i] = coli_h2f(h[i]);
+#endif
 }
 
 static int coli_has_f16c(void)
@@ -379,65 +736,88 @@ static void coli_h2f_rows(const uint16_t *h, float *f, coli_ix n, int avx2)
         f[i] = coli_h2f(h[i]);
 }
 
+/* coli_attend_group over a float16 cache: COLI_KV_CHUNK rows widened into buf (COLI_KV_CHUNK *
+ * D floats of scratch), then every head's dot products (resp. weighted sums) over them. */
+static void coli_attend_group_h(const float *q, const uint16_t *K, const uint16_t *V, coli_ix nh,
+                                coli_ix D, coli_ix lo, coli_ix S, float scale, float *p,
+                                float *buf, float *out, int level)
+{
+    coli_ix n = S - lo, j, m, i;
+    int avx2 = coli_ops_avx2(level, D);
+    for (j = 0; j < n; j += m) {
+        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
+        coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
+        for (i = 0; i < nh; i++)
+            coli_dots(q + i * D, buf, m, D, p + i * n + j, avx2);
+    }
+    coli_group_softmax(p, nh, n, D, scale, out, level);
+    for (j = 0; j < n; j += m) {
+        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
+        coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
+        for (i = 0; i < nh; i++)
+            coli_weighted_rows(p + i * n + j, buf, m, D, out + i * D, avx2);
+    }
+}
+
 /* coli_attend_head over a float16 cache; buf: COLI_KV_CHUNK * D floats of scratch. */
 static void coli_attend_head_h(const float *q, const uint16_t *K, const uint16_t *V, coli_ix D,
                                coli_ix lo, coli_ix S, float scale, float *p, float *buf,
                                float *out, int avx2)
 {
-    coli_ix n = S - lo, j, m, d;
-    float sum;
-    for (j = 0; j < n; j += m) {
-        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
-        coli_h2f_rows(K + (lo + j) * D, buf, m * D, avx2);
-        coli_dots(q, buf, m, D, p + j, avx2);
-    }
-    sum = coli_softmax_unnorm(p, n, scale);
-    for (d = 0; d < D; d++)
-        out[d] = 0.0f;
-    for (j = 0; j < n; j += m) {
-        m = n - j < COLI_KV_CHUNK ? n - j : COLI_KV_CHUNK;
-        coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
-        coli_weighted_rows(p + j, sum, buf, m, D, out, avx2);
-    }
+    coli_attend_group_h(q, K, V, 1, D, lo, S, scale, p, buf, out, coli_level_of(avx2));
+}
+
+/* How the query heads of a position are dealt to threads: kv head g's G query heads in `split`
+ * parts (work item it: kv head it / split, heads [h0, h1)). One part per kv head when there are
+ * at least as many kv heads as threads; else the group is cut so every thread has work (each
+ * part still reads its kv head's K / V once). */
+static coli_ix coli_attend_split(coli_ix KV, coli_ix G, int nt)
+{
+    coli_ix split = nt > 1 && KV < nt ? (nt + KV - 1) / KV : 1;
+    return split < G ? split : G;
 }
 
 /* Attention of one query position (decode): q [H][D]; K / V: the cache of kv head g at
  * K + g * ks (resp. V + g * vs), positions 0..S-1 of D floats each (rows before lo are outside a
- * sliding window); out [H][D]. Query head h reads kv head h / (H / KV). Heads are split between
- * nt threads; each head is computed by one thread. level: qkern.h's SIMD level (AVX2 and
- * AVX-512 run the AVX2 variant). half: K and V are float16 (uint16_t; ks / vs in halves), widened
- * in the kernel. Returns -1 when scratch cannot be allocated. */
+ * sliding window); out [H][D]. Query head h reads kv head h / (H / KV); the heads of a kv head
+ * go through one pass over its cache (coli_attend_group), split between nt threads by kv head
+ * (and within a group when KV < nt). Each head's bits are the same for any split. level:
+ * qkern.h's SIMD level (the same bits in every variant). half: K and V are float16
+ * (uint16_t; ks / vs in halves), widened in the kernel. Returns -1 when scratch cannot be
+ * allocated. */
 static int coli_attend_one(const float *q, const void *K, const void *V, coli_ix ks, coli_ix vs,
                            float *out, coli_ix H, coli_ix KV, coli_ix D, coli_ix lo, coli_ix S,
                            float scale, int nt, int level, int half)
 {
-    coli_ix n = S - lo, G = H / KV, h;
-    int avx2 = 0;
+    coli_ix n = S - lo, G = H / KV, h, split, items, it;
     float *p;
     if (n <= 0) {
         for (h = 0; h < H * D; h++)
             out[h] = 0.0f;
         return 0;
     }
-    avx2 = coli_ops_avx2(level, D);
-    p = (float *)malloc(sizeof(float) * (size_t)(H * n + (half ? H * COLI_KV_CHUNK * D : 0)));
-    if (p == NULL)
-        return -1;
     /* a parallel region costs more than a short context's whole attention */
     if (nt < 2 || n * H * D < (coli_ix)1 << 18)
         nt = 1;
+    split = coli_attend_split(KV, G, nt);
+    items = KV * split;
+    p = (float *)malloc(sizeof(float) * (size_t)(H * n + (half ? items * COLI_KV_CHUNK * D : 0)));
+    if (p == NULL)
+        return -1;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
 #endif
-    for (h = 0; h < H; h++) {
+    for (it = 0; it < items; it++) {
+        coli_ix g = it / split, s = it % split;
+        coli_ix h0 = g * G + s * G / split, h1 = g * G + (s + 1) * G / split;
         if (half)
-            coli_attend_head_h(q + h * D, (const uint16_t *)K + (h / G) * ks,
-                               (const uint16_t *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
-                               p + H * n + h * COLI_KV_CHUNK * D, out + h * D, avx2);
+            coli_attend_group_h(q + h0 * D, (const uint16_t *)K + g * ks,
+                                (const uint16_t *)V + g * vs, h1 - h0, D, lo, S, scale,
+                                p + h0 * n, p + H * n + it * COLI_KV_CHUNK * D, out + h0 * D,
+                                level);
         else
-            coli_attend_head(q + h * D, (const float *)K + (h / G) * ks,
-                             (const float *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
-                             out + h * D, avx2);
+            coli_attend_group(q + h0 * D, (const float *)K + g * ks, (const float *)V + g * vs,
+                              h1 - h0, D, lo, S, scale, p + h0 * n, out + h0 * D, level);
     }
     free(p);
     return 0;

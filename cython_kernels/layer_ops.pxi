@@ -23,6 +23,7 @@ cdef extern from "layer_ops.h":
     int coli_h2f_avx2_int(const uint16_t* h, float* f, Py_ssize_t n) noexcept nogil
     void coli_rank_sum(const float* c, const float* w, Py_ssize_t k, Py_ssize_t H,
                        float* out) noexcept nogil
+    float coli_softmax_unnorm_lv(float* p, Py_ssize_t n, float scale, int level) noexcept nogil
 
 
 def rms_norm(const float[:, ::1] x, const float[::1] w, float eps):
@@ -141,6 +142,17 @@ def router_logits(const float[:, ::1] x, const float[:, ::1] W):
         with nogil:
             coli_matvec_rows(&x[0, 0], &W[0, 0], &ov[0, 0], T, E, D, _level)
     return out
+
+
+def softmax_unnorm_(float[::1] p, float scale):
+    """In place, p -> exp(scale * p - max(scale * p)) with the SIMD variant in use (the
+    attention's softmax numerator, every variant the same bits); returns the sum of the new p
+    (summed in the kernel's fixed order)."""
+    cdef float s = 0
+    if p.shape[0]:
+        with nogil:
+            s = coli_softmax_unnorm_lv(&p[0], p.shape[0], scale, _level)
+    return s
 
 
 def softmax_topk(const float[:, ::1] logits, Py_ssize_t k, bint norm):

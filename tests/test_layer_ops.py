@@ -4,6 +4,8 @@ numpy references in core.kernels: RMS norm, rotary embedding (bit for bit), one-
 head-major KV cache."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,32 @@ def test_attention_one_position_matches_numpy(H, KV, D, S, window):
             outs.append(got)
     for got in outs[1:]:          # every variant and thread count: the same bits
         np.testing.assert_array_equal(got, outs[0])
+
+
+@pytest.mark.parametrize("H,KV,D,S,lo", [(16, 2, 256, 700, 0), (12, 1, 128, 300, 40),
+                                         (6, 3, 40, 133, 5), (8, 8, 64, 90, 0)])
+@pytest.mark.parametrize("half", [False, True])
+def test_grouped_heads_have_the_bits_of_each_head_alone(H, KV, D, S, lo, half):
+    """attend_one computes the query heads of a kv head in one pass over its K / V (and splits a
+    group between threads when kv heads are fewer than threads): every head gets the bits it has
+    computed on its own (one head against its kv head), for every variant and thread count."""
+    rng = np.random.default_rng(H * S + D)
+    q = rng.standard_normal((H, D)).astype(np.float32)
+    k = rng.standard_normal((KV, S, D)).astype(np.float32)
+    v = rng.standard_normal((KV, S, D)).astype(np.float32)
+    if half:
+        k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+    attend = qm.attend_one_f16 if half else qm.attend_one
+    G = H // KV
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        qm.set_num_threads(1)
+        alone = np.concatenate([attend(q[h:h + 1], k[h // G:h // G + 1], v[h // G:h // G + 1],
+                                       0.0625, lo) for h in range(H)], axis=1)
+        for threads in (1, 2, 3):
+            qm.set_num_threads(threads)
+            np.testing.assert_array_equal(attend(q, k, v, 0.0625, lo), alone,
+                                          err_msg=f"{variant} threads={threads}")
 
 
 @pytest.mark.parametrize("window", [None, 37])
@@ -262,3 +290,149 @@ def test_float16_cache_attention_has_the_bits_of_float32_over_the_same_values(H,
     qs = rng.standard_normal((len(pq), H, D)).astype(np.float32)
     np.testing.assert_array_equal(_numpy(kernels.attention, qs, k, v, np.float32(0.125), pq, None),
                                   _numpy(kernels.attention, qs, k32, v32, np.float32(0.125), pq, None))
+
+
+# --- the softmax's exp (layer_ops.h coli_exp: one algorithm, every variant the same bits) -------
+
+def _exp_inputs():
+    """A dense sweep of [-104, 0], the floats around the edges, and the special values."""
+    sweep = np.linspace(-104.0, 0.0, (1 << 22) + 1, dtype=np.float32)
+    edges = np.concatenate([np.float32(e) + np.arange(-300, 300, dtype=np.float32) * np.spacing(np.float32(e))
+                            for e in (-103.97, -87.34, -1.0, -0.35)]).astype(np.float32)
+    tiny = -np.logspace(-38, -1, 2000, dtype=np.float32)
+    return np.concatenate([sweep, edges, tiny]).astype(np.float32)
+
+
+def _softmax_unnorm(p, scale=1.0):
+    p = np.array(p, np.float32)
+    s = qm.softmax_unnorm_(p, scale)
+    return p, np.float32(s)
+
+
+def test_softmax_exp_is_within_about_one_ulp_of_exp():
+    """exp(x - max) with max = 0 (the sweep holds 0): the kernel's exp itself, against float64
+    exp, in ulps of the float32 result (subnormals: in units of the smallest one)."""
+    x = _exp_inputs()
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        got, _ = _softmax_unnorm(x)
+        want = np.exp(x.astype(np.float64))
+        ulp = np.maximum(np.spacing(want.astype(np.float32)).astype(np.float64), 2.0 ** -149)
+        err = np.abs(got.astype(np.float64) - want) / ulp
+        assert err.max() <= 1.5, (variant, float(err.max()), float(x[err.argmax()]))
+
+
+def test_softmax_exp_special_values():
+    x = np.float32([0.0, -np.inf, -104.5, -150.0, -1e30, -103.97, -87.5, -0.0, -1e-30])
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        got, s = _softmax_unnorm(x)
+        assert got[0] == 1.0 and got[7] == 1.0 and got[8] == 1.0
+        assert (got[1:5] == 0.0).all() and got[5] > 0.0 and 0.0 < got[6] < np.finfo(np.float32).tiny * 100
+        nan, _ = _softmax_unnorm(np.float32([0.0, np.nan, -1.0]))
+        assert np.isnan(nan[1]) and nan[0] == 1.0      # a NaN score stays NaN; the max skips it
+        big, _ = _softmax_unnorm(np.float32([100.0, 0.0]))
+        assert big[0] == 1.0 and big[1] == np.float32(np.exp(-100.0))   # a subnormal, rounded once
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16, 17, 31, 33, 100, 4096, 4099])
+def test_softmax_unnorm_has_the_same_bits_in_every_variant(n):
+    """The exp and the sum (lanes of 8 folded in a fixed order): the same bits for every SIMD
+    variant, for lengths around the 8- and 16-wide blocks; the sum is the lane-order sum of the
+    returned p."""
+    rng = np.random.default_rng(n)
+    scores = (rng.standard_normal(n) * 6).astype(np.float32)
+    outs = []
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        outs.append(_softmax_unnorm(scores, 0.37))
+    p0, s0 = outs[0]
+    for p, s in outs[1:]:
+        np.testing.assert_array_equal(p.view(np.uint32), p0.view(np.uint32))
+        assert s.view(np.uint32) == s0.view(np.uint32)
+    lanes = np.zeros(8, np.float32)
+    for j in range(n):
+        lanes[j % 8] = np.float32(lanes[j % 8] + p0[j])
+    fold = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+    assert np.float32(fold) == s0
+    arg = scores * np.float32(0.37)
+    np.testing.assert_allclose(p0, np.exp((arg - arg.max()).astype(np.float64)), rtol=2.5e-7, atol=1e-45)
+
+
+# the NEON variant (and AVX2 / AVX-512 where the CPU lacks them) through SIMDe's emulation; SIMDe
+# computes fused multiply-adds as two roundings, so the harness puts fused ones (fmaf per lane) in
+# their place, as the hardware computes them
+_EMU_SOFTMAX = r"""
+#include "qkern.h"
+/* SIMDe emulates the fused multiply-adds as a multiply then an add (two roundings): put fused
+ * ones (fmaf per lane) in their place, as the hardware computes them. */
+static __m256 emu_fma8(__m256 a, __m256 b, __m256 c, float sa)
+{ float x[8], y[8], z[8]; int i; _mm256_storeu_ps(x, a); _mm256_storeu_ps(y, b); _mm256_storeu_ps(z, c);
+  for (i = 0; i < 8; i++) x[i] = fmaf(sa * x[i], y[i], z[i]); return _mm256_loadu_ps(x); }
+static __m512 emu_fma16(__m512 a, __m512 b, __m512 c, float sa)
+{ float x[16], y[16], z[16]; int i; _mm512_storeu_ps(x, a); _mm512_storeu_ps(y, b); _mm512_storeu_ps(z, c);
+  for (i = 0; i < 16; i++) x[i] = fmaf(sa * x[i], y[i], z[i]); return _mm512_loadu_ps(x); }
+static float32x4_t emu_fma4(float32x4_t c, float32x4_t a, float32x4_t b, float sa)
+{ float x[4], y[4], z[4]; int i; vst1q_f32(x, a); vst1q_f32(y, b); vst1q_f32(z, c);
+  for (i = 0; i < 4; i++) x[i] = fmaf(sa * x[i], y[i], z[i]); return vld1q_f32(x); }
+#undef _mm256_fmadd_ps
+#undef _mm256_fnmadd_ps
+#undef _mm512_fmadd_ps
+#undef _mm512_fnmadd_ps
+#undef vfmaq_f32
+#undef vfmsq_f32
+#define _mm256_fmadd_ps(a, b, c) emu_fma8(a, b, c, 1.0f)
+#define _mm256_fnmadd_ps(a, b, c) emu_fma8(a, b, c, -1.0f)
+#define _mm512_fmadd_ps(a, b, c) emu_fma16(a, b, c, 1.0f)
+#define _mm512_fnmadd_ps(a, b, c) emu_fma16(a, b, c, -1.0f)
+#define vfmaq_f32(c, a, b) emu_fma4(c, a, b, 1.0f)
+#define vfmsq_f32(c, a, b) emu_fma4(c, a, b, -1.0f)
+#include "layer_ops.h"
+#include <stdio.h>
+int main(void) {
+    enum { N = 1 << 16 };
+    static float x[N + 11], ref[N + 11], got[N + 11];
+    long i, n, fails = 0; int lv;
+    static const long ns[] = {1, 7, 8, 9, 15, 16, 17, 24, 33, 100, N + 11};
+    for (i = 0; i < N; i++) x[i] = -104.0f + 104.0f * (float)i / (float)N;
+    x[N] = 0.0f; x[N + 1] = -INFINITY; x[N + 2] = -1e-30f; x[N + 3] = -87.5f; x[N + 4] = -103.9f;
+    x[N + 5] = 3.0f; x[N + 6] = -200.0f; x[N + 7] = 1e-7f; x[N + 8] = -0.0f; x[N + 9] = -5.0f; x[N + 10] = 2.5f;
+    for (i = 0; i < (long)(sizeof(ns) / sizeof(ns[0])); i++) {
+        float sref, s;
+        n = ns[i];
+        memcpy(ref, x + (N + 11 - n), sizeof(float) * n);
+        sref = coli_softmax_unnorm_lv(ref, n, 0.75f, COLI_PORTABLE);
+        for (lv = 1; lv < COLI_NLEVELS; lv++) {
+            memcpy(got, x + (N + 11 - n), sizeof(float) * n);
+            s = coli_softmax_unnorm_lv(got, n, 0.75f, lv);
+            if (memcmp(got, ref, sizeof(float) * n) || memcmp(&s, &sref, sizeof s)) {
+                printf("FAIL level %s n=%ld\n", coli_level_names[lv], n);
+                fails++;
+            }
+        }
+    }
+    printf(fails ? "FAILED %ld\n" : "OK\n", fails);
+    return fails != 0;
+}
+"""
+
+
+def test_softmax_exp_variants_emulated(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    from tests.test_kernels import _simde_include
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    inc = _simde_include()
+    if sys.platform == "win32" or cc is None or inc is None:
+        pytest.skip("needs a gcc/clang-style C compiler and the SIMDe headers")
+    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cython_kernels")
+    src = tmp_path / "emu.c"
+    src.write_text(_EMU_SOFTMAX)
+    exe = tmp_path / "emu"
+    r = subprocess.run([cc, "-O1", "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o", str(exe), "-lm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:]
