@@ -202,6 +202,18 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x * (np.float32(1.0) / (np.float32(1.0) + np.exp(-x)))
 
 
+def sigmoid_gate(out: np.ndarray, gate: np.ndarray) -> np.ndarray:
+    """out * sigmoid(gate), float32 [T, n] (gated attention's output gate; out may be overwritten).
+    One position with the extension: the compiled attention block's own function (libm's expf),
+    so the step-by-step decode has the block's bits; otherwise numpy's 1 / (1 + exp(-gate))."""
+    if out.shape[0] == 1 and _compiled is not None:
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        _compiled.sigmoid_gate(out, np.ascontiguousarray(gate, dtype=np.float32))
+        return out
+    with np.errstate(over="ignore"):
+        return out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
+
+
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u with silu's float32 operations (the same bits), computed in place: u is
     overwritten with the result, one temporary instead of five (a 512-token prefill's [4096,
@@ -248,7 +260,8 @@ def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> Non
 
 def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str, q_norm, k_norm,
                     eps: float, clip, heads: int, kv_heads: int, head_dim: int, router=None,
-                    post_norm=None, top_k: int = 0, norm_topk: bool = False, rope_dim: int = 0):
+                    post_norm=None, top_k: int = 0, norm_topk: bool = False, rope_dim: int = 0,
+                    gated: bool = False):
     """A layer's attention block for one decode position as one compiled call
     (cython_kernels/attention_block.h), or None where it does not apply: no extension, or q, k,
     v, o not all int4 with one group size. Called as block(x, cos, sin, keys, values, pos, lo,
@@ -256,12 +269,15 @@ def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str,
     norms, rope, the KV append, attention and matmul called one by one. With a router (float32
     [experts, hidden]) the block also returns the MoE input rms_norm(x', post_norm) and the
     router's softmax_topk: (x', h, top, weights). With the opt-in int8 activations on, its
-    products take that path as matmul's do."""
+    products take that path as matmul's do. gated: q's rows per head [q_h | gate_h], the
+    attention times sigmoid_gate's sigmoid(gate) before o."""
     if _compiled is None or not all(w.scheme == "int4" and w.group_size == proj[0].group_size
                                     for w in proj):
         return None
     try:
         partial = {"rope_dim": rope_dim} if rope_dim else {}     # RoPE on the first dims only
+        if gated:
+            partial["gated"] = True
         return _compiled.AttentionBlock([(w.data, w.scales) for w in proj], proj[0].group_size,
                                         biases, in_norm, qk_norm, q_norm, k_norm, eps, clip, heads,
                                         kv_heads, head_dim, post_norm, router, top_k, norm_topk,

@@ -10,15 +10,20 @@
  *
  * Optionally the MoE router that follows (post-attention norm, logits, softmax top-k).
  *
+ * Gated attention (Qwen3.5 / 3.6, W->gated): q's product has 2 H D rows, per head [q_h | gate_h];
+ * the gate rows are set apart after the bias and the attention output is multiplied by
+ * sigmoid(gate) (coli_sigmoid_gate, which the one-position step path calls too) before o.
+ *
  * Same bits as the separate calls: every piece is the function those calls run (coli_q4_rows per
- * output row, coli_rms_norm, coli_rope, coli_attend_head[_h], coli_matvec_rows,
- * coli_softmax_topk), in the same order, float32 adds for the biases and the residual (numpy's),
- * and numpy's rounding for a float16 cache's new row (coli_f2h). Int4 projections with one group
- * size only; callers fall back to the separate calls otherwise.
+ * output row, coli_rms_norm, coli_rope, coli_attend_group[_h], coli_sigmoid_gate,
+ * coli_matvec_rows, coli_softmax_topk), in the same order, float32 adds for the biases and the
+ * residual (numpy's), and numpy's rounding for a float16 cache's new row (coli_f2h). Int4
+ * projections with one group size only; callers fall back to the separate calls otherwise.
  */
 #ifndef COLI_ATTENTION_BLOCK_H
 #define COLI_ATTENTION_BLOCK_H
 
+#include <math.h>
 #include <string.h>
 
 #include "layer_ops.h"
@@ -42,7 +47,21 @@ typedef struct {
     const float *post_norm, *router;
     coli_ix E, top_k;
     int norm_topk;
+    int gated;                  /* q rows per head [q_h | gate_h]; output * sigmoid(gate) */
 } coli_attn_w;
+
+/* y[i] = y[i] * sigmoid(g[i]) as numpy's out * (1 / (1 + exp(-gate))) in float32, with libm's
+ * expf: gated attention's output gate. The block and the one-position step path (qmatmul's
+ * sigmoid_gate) both call this, since numpy's exp has bits of its own. */
+static void coli_sigmoid_gate(float *y, const float *g, coli_ix n)
+{
+    coli_ix i;
+    for (i = 0; i < n; i++) {
+        float t = expf(-g[i]);
+        t = 1.0f + t;
+        y[i] = y[i] * (1.0f / t);
+    }
+}
 
 static coli_ix coli_up16(coli_ix n)
 {
@@ -104,7 +123,7 @@ static size_t coli_attention_block_floats(const coli_attn_w *W, coli_ix S, int h
     return (size_t)(coli_up16(W->hidden) * 2 + coli_xlay_carve(NULL, W->hidden, W->gs, &l)
                     + coli_up16(HD + 2 * W->KV * W->D) + coli_up16(HD)
                     + coli_xlay_carve(NULL, HD, W->gs, &l) + coli_up16(W->H * S)
-                    + 2 * coli_up16(W->E)
+                    + 2 * coli_up16(W->E) + (W->gated ? coli_up16(3 * HD) : 0)
                     + (half ? (coli_ix)nt * COLI_KV_CHUNK * W->D : 0));
 }
 
@@ -117,21 +136,28 @@ static int coli_thread(void)
 #endif
 }
 
-/* Query head h of one position: coli_attend_head, or its float16-cache form (buf: its widening
- * buffer), as coli_attend_one runs them. */
-static void coli_attend_block_head(const float *q, const void *K, const void *V, coli_ix ks,
-                                   coli_ix vs, int half, coli_ix h, coli_ix G, coli_ix D,
-                                   coli_ix lo, coli_ix S, float scale, float *p, coli_ix n,
-                                   float *buf, float *att, int avx2)
+/* Work item it of one position's attention as coli_attend_one deals them (split parts per kv
+ * head, coli_attend_split): query heads [h0, h1) of kv head it / split in one pass over its K /
+ * V (coli_attend_group, or its float16-cache form with buf: its widening buffer); with gate !=
+ * NULL, then times sigmoid(gate) (the step path's separate pass over the whole output, a group at
+ * a time here: the same bits). */
+static void coli_attend_block_item(const float *q, const void *K, const void *V, coli_ix ks,
+                                   coli_ix vs, int half, coli_ix it, coli_ix split, coli_ix G,
+                                   coli_ix D, coli_ix lo, coli_ix S, float scale, float *p,
+                                   coli_ix n, float *buf, float *att, int level,
+                                   const float *gate)
 {
+    coli_ix g = it / split, s = it % split;
+    coli_ix h0 = g * G + s * G / split, h1 = g * G + (s + 1) * G / split;
     if (half)
-        coli_attend_head_h(q + h * D, (const uint16_t *)K + (h / G) * ks,
-                           (const uint16_t *)V + (h / G) * vs, D, lo, S, scale, p + h * n, buf,
-                           att + h * D, avx2);
+        coli_attend_group_h(q + h0 * D, (const uint16_t *)K + g * ks,
+                            (const uint16_t *)V + g * vs, h1 - h0, D, lo, S, scale, p + h0 * n,
+                            buf, att + h0 * D, level);
     else
-        coli_attend_head(q + h * D, (const float *)K + (h / G) * ks,
-                         (const float *)V + (h / G) * vs, D, lo, S, scale, p + h * n,
-                         att + h * D, avx2);
+        coli_attend_group(q + h0 * D, (const float *)K + g * ks, (const float *)V + g * vs,
+                          h1 - h0, D, lo, S, scale, p + h0 * n, att + h0 * D, level);
+    if (gate != NULL)
+        coli_sigmoid_gate(att + h0 * D, gate + h0 * D, (h1 - h0) * D);
 }
 
 /* x [hidden] -> out [hidden]; with a router also h [hidden] (the post-attention norm of out),
@@ -141,7 +167,7 @@ static void coli_attend_block_head(const float *q, const void *K, const void *V,
  * coli_attention_block_floats(W, pos + 1, half, nt) floats, 64-byte aligned. nt: threads (at
  * most). level: qkern.h's SIMD level. half: K / V are float16 (uint16_t; ks / vs
  * in halves): this position's key and value are rounded as numpy's astype(float16) does, and
- * attention widens the cache exactly (coli_attend_head_h). i8: the products take the opt-in
+ * attention widens the cache exactly (coli_attend_group_h). i8: the products take the opt-in
  * int8-activation path (qkern.h coli_q4i8_*; callers check coli_q4i8_ok). */
 static void coli_attention_block(const coli_attn_w *W, const float *x, const float *cs,
                                  const float *sn, void *K, void *V, coli_ix ks, coli_ix vs,
@@ -152,7 +178,6 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     const coli_ix H = W->H, KV = W->KV, D = W->D, HD = H * D, gs = W->gs, hid = W->hidden;
     const coli_ix S = pos + 1, n = S - lo, G = H / KV;
     const int lv = coli_q4_level(level, gs), cb = coli_q4_cb(level, gs);
-    const int avx2 = coli_ops_avx2(level, D);
     coli_xlay in1, in2;     /* the inputs of q/k/v (the normed x) and of o (the attention) */
     float *hn = work, *yo = hn + coli_up16(hid), *l1 = yo + coli_up16(hid);
     float *qkv = l1 + coli_xlay_carve(l1, hid, gs, &in1), *att = qkv + coli_up16(HD + 2 * KV * D);
@@ -160,14 +185,18 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     float *logits = p + coli_up16(H * S), *probs = logits + coli_up16(W->E);
     float *wide = probs + coli_up16(W->E);     /* half: COLI_KV_CHUNK * D floats per thread */
     float *q = qkv, *k = qkv + HD, *v = k + KV * D;
+    /* gated: q's product [H, 2, D] lands in qg, then splits into q and gate */
+    float *gate = W->gated ? wide + (half ? (coli_ix)nt * COLI_KV_CHUNK * D : 0) : NULL;
+    float *qg = W->gated ? gate + HD : q;
+    const coli_ix QO = W->gated ? 2 * HD : HD;
     float *ys[3];
-    coli_ix Os[3], first[4], rb1 = coli_decode_rows(HD + 2 * KV * D, nt), rb2;
-    coli_ix nblk1, nblk2, i;
+    coli_ix Os[3], first[4], rb1 = coli_decode_rows(QO + 2 * KV * D, nt), rb2;
+    coli_ix nblk1, nblk2, i, split;
     int m, heads_apart;
-    ys[0] = q;
+    ys[0] = qg;
     ys[1] = k;
     ys[2] = v;
-    Os[0] = HD;
+    Os[0] = QO;
     Os[1] = Os[2] = KV * D;
     first[0] = 0;
     for (m = 0; m < 3; m++)
@@ -175,9 +204,10 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
     nblk1 = first[3];
     rb2 = coli_decode_rows(hid, nt);
     nblk2 = (hid + rb2 - 1) / rb2;
-    /* a parallel loop over heads costs more than a short context's whole attention (as in
-     * coli_attend_one) */
+    /* a parallel loop over heads costs more than a short context's whole attention; the groups
+     * dealt to threads as in coli_attend_one */
     heads_apart = nt > 1 && n * H * D >= (coli_ix)1 << 18;
+    split = coli_attend_split(KV, G, nt);
 
     coli_rms_norm(x, W->in_norm, hn, 1, hid, W->eps);
     coli_xlay_prep(i8, cb, hn, hid, gs, &in1);
@@ -185,7 +215,7 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
 #pragma omp parallel num_threads(nt) if (nt > 1)
 #endif
     {
-        coli_ix b, h;
+        coli_ix b, h, it;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic)
 #endif
@@ -204,6 +234,11 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
                 if (W->bias[mm] != NULL)
                     for (j = 0; j < Os[mm]; j++)
                         ys[mm][j] = ys[mm][j] + W->bias[mm][j];
+            if (W->gated)
+                for (h = 0; h < H; h++) {
+                    memcpy(q + h * D, qg + 2 * h * D, sizeof(float) * (size_t)D);
+                    memcpy(gate + h * D, qg + (2 * h + 1) * D, sizeof(float) * (size_t)D);
+                }
             if (W->qk_norm == COLI_QK_FULL) {
                 coli_rms_norm(q, W->q_norm, q, 1, HD, W->eps);
                 coli_rms_norm(k, W->k_norm, k, 1, KV * D, W->eps);
@@ -235,9 +270,9 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
                     memcpy((float *)V + g * vs + pos * D, v + g * D, sizeof(float) * (size_t)D);
                 }
             if (!heads_apart) {
-                for (h = 0; h < H; h++)
-                    coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
-                                           wide, att, avx2);
+                for (it = 0; it < KV; it++)
+                    coli_attend_block_item(q, K, V, ks, vs, half, it, 1, G, D, lo, S, scale, p,
+                                           n, wide, att, level, gate);
                 coli_xlay_prep(i8, cb, att, HD, gs, &in2);
             }
         }
@@ -245,10 +280,10 @@ static void coli_attention_block(const coli_attn_w *W, const float *x, const flo
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (h = 0; h < H; h++)
-                coli_attend_block_head(q, K, V, ks, vs, half, h, G, D, lo, S, scale, p, n,
-                                       wide + (coli_ix)coli_thread() * COLI_KV_CHUNK * D, att,
-                                       avx2);
+            for (it = 0; it < KV * split; it++)
+                coli_attend_block_item(q, K, V, ks, vs, half, it, split, G, D, lo, S, scale, p,
+                                       n, wide + (coli_ix)coli_thread() * COLI_KV_CHUNK * D, att,
+                                       level, gate);
 #ifdef _OPENMP
 #pragma omp single
 #endif

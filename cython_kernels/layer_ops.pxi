@@ -204,6 +204,8 @@ cdef extern from "attention_block.h":
         const float* router
         Py_ssize_t E, top_k
         int norm_topk
+        int gated
+    void coli_sigmoid_gate(float* y, const float* g, Py_ssize_t n) noexcept nogil
     size_t coli_attention_block_floats(const coli_attn_w* W, Py_ssize_t S, int half,
                                        int nt) noexcept nogil
     void coli_attention_block(const coli_attn_w* W, const float* x, const float* cs,
@@ -224,6 +226,18 @@ cdef const float* _vec_ptr(object a, Py_ssize_t n, str name) except? NULL:
     return &v[0]
 
 
+def sigmoid_gate(float[:, ::1] out, const float[:, ::1] gate):
+    """out *= sigmoid(gate) in place (out, gate [T, n] float32): gated attention's output gate,
+    out * (1 / (1 + exp(-gate))) with libm's expf -- the function the compiled attention block
+    runs, so the one-position step path has the block's bits."""
+    if out.shape[0] != gate.shape[0] or out.shape[1] != gate.shape[1]:
+        raise ValueError("sigmoid_gate: out and gate differ in shape")
+    if out.shape[0] * out.shape[1] == 0:
+        return
+    with nogil:
+        coli_sigmoid_gate(&out[0, 0], &gate[0, 0], out.shape[0] * out.shape[1])
+
+
 cdef class AttentionBlock:
     """A layer's attention block for one decode position as one compiled call
     (attention_block.h): x [1, hidden] -> x + o(attention(...)), writing this position's key
@@ -231,19 +245,21 @@ cdef class AttentionBlock:
     activations when they are on, as q4_matmul does); with a router, also the MoE block's input (the
     post-attention norm) and its top-k. The same bits as the separate calls (rms_norm,
     q4_matmul_many, the biases / q-k norms / clip, rope_, attend_one, q4_matmul, the residual
-    add, rms_norm, router_logits, softmax_topk). Built once per layer; each argument array is
-    kept alive here."""
+    add, rms_norm, router_logits, softmax_topk); gated: q's rows per head [q_h | gate_h] and the
+    attention times sigmoid(gate) (sigmoid_gate) before o. Built once per layer; each argument
+    array is kept alive here."""
     cdef coli_attn_w w
     cdef object _keep
 
     def __init__(self, proj, Py_ssize_t group_size, biases, in_norm, str qk_norm, q_norm, k_norm,
                  float eps, clip, Py_ssize_t heads, Py_ssize_t kv_heads, Py_ssize_t head_dim,
                  post_norm=None, router=None, Py_ssize_t top_k=0, bint norm_topk=False,
-                 Py_ssize_t rope_dim=0):
+                 Py_ssize_t rope_dim=0, bint gated=False):
         """proj: (data, scales) of the int4 q, k, v, o projections; biases: 4 vectors or None;
         qk_norm: "none", "full" or "per_head"; clip: a float or None; router: float32
         [experts, hidden] (None: no router) with its post_norm [hidden] and top_k; rope_dim: the
-        first dims of each head RoPE turns (0: all of them)."""
+        first dims of each head RoPE turns (0: all of them); gated: q (and its bias) has 2 x heads
+        x head_dim rows, per head [q_h | gate_h]."""
         cdef const float[:, ::1] rv
         cdef Py_ssize_t hidden, m, HD = heads * head_dim, KD = kv_heads * head_dim
         cdef const unsigned char[:, ::1] wv
@@ -259,7 +275,7 @@ cdef class AttentionBlock:
         if len(proj) != 4 or len(biases) != 4:
             raise ValueError("attention block: expected q, k, v and o")
         hidden = np.asarray(in_norm).shape[0]
-        rows = (HD, KD, KD, hidden)
+        rows = (2 * HD if gated else HD, KD, KD, hidden)
         cols = (hidden, hidden, hidden, HD)
         self._keep = (proj, biases, in_norm, q_norm, k_norm, post_norm, router)
         for m in range(4):
@@ -312,6 +328,7 @@ cdef class AttentionBlock:
         self.w.KV = kv_heads
         self.w.D = head_dim
         self.w.R = rope_dim
+        self.w.gated = gated
 
     def __call__(self, const float[:, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin,
                  keys, values, Py_ssize_t pos, Py_ssize_t lo, float scale):

@@ -3,8 +3,9 @@ step-by-step path it replaces (core.blocks.attention.GQAAttention's operations a
 bits of the output and of the key / value written into the cache, for every q/k norm kind, with
 biases and clipping, grouped-query heads, a sliding window, a context long enough to split the
 heads between threads, float32 and float16 caches, every SIMD variant, the opt-in int8
-activations and several thread counts; and the MoE router it can end with (post-attention norm,
-logits, softmax top-k)."""
+activations and several thread counts; gated attention (Qwen3.5 / 3.6: q's rows per head
+[q_h | gate_h], the output times sigmoid(gate)); and the MoE router it can end with
+(post-attention norm, logits, softmax top-k)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -233,3 +234,87 @@ def test_partial_rope_block_has_the_bits_of_the_step_by_step_path(qk_norm, rope_
             np.testing.assert_array_equal(k[:, : n + 1], ref.k[0][:, : n + 1])
     with pytest.raises(ValueError, match="cos / sin"):       # the table must be rope_dim wide
         block(x, np.zeros((1, D), np.float32), np.zeros((1, D), np.float32), k, v, n, 0, scale)
+
+
+GATED_CASES = [
+    # hidden, H, KV, D, gs, qk_norm, bias, clip, rope_dim, context
+    (256, 4, 2, 64, 64, "per_head", False, None, 16, 21),     # Qwen3.5 / 3.6's kind, shrunk
+    (192, 6, 2, 32, 32, "none", True, 0.7, 32, 30),           # biases (q's over 2 H D), clip
+    (256, 4, 1, 64, 64, "full", False, None, 64, 0),          # the first position
+    (128, 8, 2, 64, 64, "per_head", False, None, 16, 600),    # heads split between threads
+]
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: f"{c[5]}-H{c[1]}-KV{c[2]}-R{c[8]}-S{c[9]}")
+def test_gated_block_has_the_bits_of_the_step_by_step_path(case, kv):
+    """Gated attention (Qwen3.5 / 3.6): q's rows per head [q_h | gate_h], the attention times
+    sigmoid(gate) before o. GQAAttention.compiled_block gives the block (with and without the
+    router), and it has the step-by-step path's bits (which at one position takes the block's
+    sigmoid, kernels.sigmoid_gate), every SIMD variant, int8 activations, 1-3 threads."""
+    hidden, H, KV, D, gs, qk_norm, bias, clip, rope_dim, n = case
+    rng = np.random.default_rng(hidden + H + n + 7)
+    s = _spec(hidden, H, KV, D, qk_norm, clip)
+    L = _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, None)
+    L.q = _int4(rng, 2 * H * D, hidden, gs)
+    L.q_bias = (0.1 * rng.standard_normal(2 * H * D)).astype(np.float32) if bias else None
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    before = _filled_cache(rng, s, n, kv)
+    cos, sin = Rope({"rope_theta": 10000.0, "partial_rotary_factor": rope_dim / D}, rope_dim,
+                    partial=True).cos_sin(np.array([n]))
+    scale = np.float32(D ** -0.5)
+    attn = _attention(L, s)
+    attn.spec = GQA(hidden, H, KV, D, qk_norm, clip, rope_dim=rope_dim, gated=True)
+    attn.rope_dim = rope_dim
+    block = attn.compiled_block(L.input_norm)
+    routed = attn.compiled_block(L.input_norm, L.router, L.post_norm, s.top_k, s.norm_topk_prob)
+    assert block is not None and routed is not None
+    eng = SimpleNamespace(cancel_checks=False)
+    for simd, i8 in [(v, False) for v in qm.simd_variants()] + [(qm.simd_variants()[-1], True)]:
+        qm.set_simd(simd)
+        qm.set_int8_activations(i8)
+        ref = KVCache(s, dtype=kv)
+        ref.arrays = [{"k": before.k[0].copy(), "v": before.v[0].copy()}]
+        ref._views()
+        ref.length = n
+        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, ref, np.array([n]), eng)
+        for threads in (1, 2, 3):
+            qm.set_num_threads(threads)
+            k, v = before.k[0].copy(), before.v[0].copy()
+            got = block(x, cos, sin, k, v, n, 0, scale)
+            np.testing.assert_array_equal(got, want, err_msg=f"{simd}, int8 {i8}, {threads} threads")
+            np.testing.assert_array_equal(k[:, : n + 1], ref.k[0][:, : n + 1])
+            np.testing.assert_array_equal(v[:, : n + 1], ref.v[0][:, : n + 1])
+        got, h, top, weights = routed(x, cos, sin, before.k[0].copy(), before.v[0].copy(), n, 0, scale)
+        want_h = kernels.rms_norm(want, L.post_norm, s.rms_norm_eps)
+        want_top, want_w = kernels.softmax_topk(kernels.router_logits(want_h, L.router), 2, True)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(h, want_h)
+        np.testing.assert_array_equal(top, want_top)
+        np.testing.assert_array_equal(weights, want_w)
+    # a q projection without the gate rows is not this layer's: the step-by-step path reports it
+    attn.q = _int4(rng, H * D, hidden, gs)
+    assert attn.compiled_block(L.input_norm) is None
+
+
+def test_compiled_sigmoid_gate_is_numpys_formula_to_float32_rounding():
+    """kernels.sigmoid_gate at one position (libm's expf) against numpy's out / (1 + exp(-gate))
+    (prefill's; numpy's own exp differs from expf in ~1/6 of these bits): within 2 float32
+    epsilons relative (4 ulp where 1 / (1 + t) crosses a power of two), the same at the extremes (exp overflowing to inf: 0 or -0, NaN
+    kept), and several positions take numpy's path."""
+    rng = np.random.default_rng(5)
+    gate = np.concatenate([rng.standard_normal(4000) * 8, [-1e3, 1e3, 0.0, -0.0, np.inf, -np.inf, np.nan,
+                                                          -88.7, -89.0, 88.7]]).astype(np.float32)[None]
+    out = rng.standard_normal(gate.shape).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
+    got = kernels.sigmoid_gate(out.copy(), gate)
+    np.testing.assert_allclose(got, want, rtol=2.5e-7, atol=0)
+    ends = ~np.isnan(want[0, -10:])          # NaN stays NaN (its sign bit is libm's choice)
+    np.testing.assert_array_equal(np.signbit(got[0, -10:][ends]), np.signbit(want[0, -10:][ends]))
+    two = np.concatenate([out, out])
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(kernels.sigmoid_gate(two, np.concatenate([gate, gate])),
+                                      np.concatenate([want, want]))
+    with pytest.raises(ValueError, match="shape"):
+        qm.sigmoid_gate(out.copy(), gate[:, :5].copy())

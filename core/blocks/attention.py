@@ -74,16 +74,16 @@ class GQAAttention:
     def compiled_block(self, input_norm, router=None, post_norm=None, top_k: int = 0, norm_topk: bool = False):
         """The layer's decode step (input norm, this attention, the residual and, with a softmax
         router, the MoE input and its routing) as one compiled call, or None where it does not
-        apply (gated attention, weights not all int4 with one group size, no extension). Partial
-        RoPE (GLM-4.5) turns the first rope_dim dims in the block as _rope does."""
+        apply (weights not all int4 with one group size, no extension). Partial RoPE (GLM-4.5,
+        Qwen3.5) turns the first rope_dim dims in the block as _rope does; gated attention splits
+        q's rows per head and multiplies by kernels.sigmoid_gate's sigmoid(gate) as __call__
+        does at one position."""
         s = self.spec
-        if s.gated:
-            return None
         return kernels.attention_block(
             [self.q, self.k, self.v, self.o], [self.q_bias, self.k_bias, self.v_bias, self.o_bias],
             input_norm, s.qk_norm, self.q_norm, self.k_norm, self.eps, s.clip, s.heads, s.kv_heads,
             s.head_dim, router, post_norm, top_k, norm_topk,
-            rope_dim=self.rope_dim if self.rope_dim != s.head_dim else 0)
+            rope_dim=self.rope_dim if self.rope_dim != s.head_dim else 0, gated=s.gated)
 
     def _rope(self, x, cos, sin):
         if self.rope_dim == x.shape[-1]:
@@ -125,7 +125,6 @@ class GQAAttention:
             out = np.concatenate(parts)
         else:
             out = kernels.attention(q, keys, values, self.scale, pos, self.window)
-        if gate is not None:
-            with np.errstate(over="ignore"):
-                out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
+        if gate is not None:         # one position: the compiled block's sigmoid (its bits)
+            out = kernels.sigmoid_gate(out, gate)
         return linear(out, self.o, self.o_bias)
