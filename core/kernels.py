@@ -204,9 +204,10 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def sigmoid_gate(out: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """out * sigmoid(gate), float32 [T, n] (gated attention's output gate; out may be overwritten).
-    One position with the extension: the compiled attention block's own function (libm's expf),
-    so the step-by-step decode has the block's bits; otherwise numpy's 1 / (1 + exp(-gate))."""
-    if out.shape[0] == 1 and _compiled is not None:
+    With the extension, at every length: the compiled attention block's own function (libm's
+    expf), so the step-by-step decode has the block's bits and prefill the decode's (decode vs
+    prefill is then the products' rounding alone); otherwise numpy's 1 / (1 + exp(-gate))."""
+    if _compiled is not None:
         out = np.ascontiguousarray(out, dtype=np.float32)
         _compiled.sigmoid_gate(out, np.ascontiguousarray(gate, dtype=np.float32))
         return out

@@ -768,7 +768,7 @@ static void coli_group_weighted(const float *w, coli_ix n, coli_ix j0, const flo
  * out_i = softmax(scale * q_i . K[j]) . V[j] over cache rows j in [lo, S) (rows of D contiguous
  * floats). The heads share each pass over K and over V (a block of rows, then every head's dot
  * products / weighted sums over it), so the cache is read from memory once per group instead of
- * once per head; each head's arithmetic is coli_attend_head's, in the same order (the same
+ * once per head; each head's arithmetic is a lone head's, in the same order (the same
  * bits for any grouping). level: qkern.h's SIMD level (every variant: the same bits). */
 static void coli_attend_group(const float *q, const float *K, const float *V, coli_ix nh,
                               coli_ix D, coli_ix lo, coli_ix S, float scale, float *p, float *out,
@@ -788,20 +788,6 @@ static void coli_attend_group(const float *q, const float *K, const float *V, co
         coli_group_weighted(p, n, j, V + j * D, m, D, nh, out, V + (j + m) * D,
                             n - j - m < B ? n - j - m : B, level);
     }
-}
-
-/* The SIMD level of a caller that passes coli_ops_avx2's flag (the same bits either way). */
-static int coli_level_of(int avx2)
-{
-    return avx2 ? COLI_AVX2 : COLI_PORTABLE;
-}
-
-/* One head: out[D] = softmax(scale * q . K[j]) . V[j] over cache rows j in [lo, S) (rows of D
- * contiguous floats). p: S - lo floats of scratch. avx2: the AVX2 variants (same bits). */
-static void coli_attend_head(const float *q, const float *K, const float *V, coli_ix D, coli_ix lo,
-                             coli_ix S, float scale, float *p, float *out, int avx2)
-{
-    coli_attend_group(q, K, V, 1, D, lo, S, scale, p, out, coli_level_of(avx2));
 }
 
 /* ---- float16 KV cache (opt-in) ----------------------------------------------------------------
@@ -967,14 +953,6 @@ static void coli_attend_group_h(const float *q, const uint16_t *K, const uint16_
         coli_h2f_rows(V + (lo + j) * D, buf, m * D, avx2);
         coli_group_weighted(p, n, j, buf, m, D, nh, out, buf, 0, level);
     }
-}
-
-/* coli_attend_head over a float16 cache; buf: COLI_KV_CHUNK * D floats of scratch. */
-static void coli_attend_head_h(const float *q, const uint16_t *K, const uint16_t *V, coli_ix D,
-                               coli_ix lo, coli_ix S, float scale, float *p, float *buf,
-                               float *out, int avx2)
-{
-    coli_attend_group_h(q, K, V, 1, D, lo, S, scale, p, buf, out, coli_level_of(avx2));
 }
 
 /* How the query heads of a position are dealt to threads: kv head g's G query heads in `split`

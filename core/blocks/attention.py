@@ -125,6 +125,6 @@ class GQAAttention:
             out = np.concatenate(parts)
         else:
             out = kernels.attention(q, keys, values, self.scale, pos, self.window)
-        if gate is not None:         # one position: the compiled block's sigmoid (its bits)
+        if gate is not None:         # the compiled block's sigmoid (its bits) at every length
             out = kernels.sigmoid_gate(out, gate)
         return linear(out, self.o, self.o_bias)
