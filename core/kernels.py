@@ -156,27 +156,46 @@ def _same_int4(ws: list[Weight]) -> bool:
         w.scheme == "int4" and w.shape[1] == w0.shape[1] and w.group_size == w0.group_size for w in ws)
 
 
+# The MoE block's prefill products (swiglu_many: each routed expert over the tokens routed to it)
+# of at least SGEMM_MIN_ROWS rows run in the compiled prefill GEMM (cython_kernels/prefill.h)
+# instead of dequantize + sgemm: all of a layer's experts in one OpenMP region, each block of
+# weight rows dequantized next to its multiply (a 512-token prefill of the OLMoE geometry: the
+# experts ~1.6x faster on 1 thread, benchmarks/README.md). Its bits are the same for every SIMD
+# variant, thread count and grouping (one fused multiply-add chain per output), not sgemm's. Where
+# the CPU has no hardware FMA for it (the portable variant on x86) sgemm runs instead. Like the
+# sgemm choice it depends on the row count only, never on placement. COLI_PREFILL_GEMM=0: sgemm.
+PREFILL_GEMM = os.environ.get("COLI_PREFILL_GEMM", "1") != "0"
+
+
+def _gemm_rows(n: int) -> bool:
+    return (PREFILL_GEMM and _sgemm_rows(n) and hasattr(_compiled, "q4_prefill_many")
+            and _compiled.prefill_level() != "portable")
+
+
 def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | None = None,
-                outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
+                outs: list[np.ndarray] | None = None, gemm: bool = False) -> list[np.ndarray]:
     """[x[t0:t0+n] @ W.T for each W] (rows: (t0, n) per matrix, default all of x; outs: arrays to
     write into). Int4 matrices sharing a shape run as one parallel pass -- one OpenMP region
-    instead of one per matrix -- with the same bits as separate ``matmul`` calls."""
+    instead of one per matrix -- with the same bits as separate ``matmul`` calls. ``gemm``: int4
+    matrices of at least SGEMM_MIN_ROWS rows run in one prefill-GEMM pass (PREFILL_GEMM) instead
+    of dequantize + sgemm each."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = rows or [(0, x.shape[0])] * len(ws)
     res = list(outs) if outs is not None else [None] * len(ws)
-    # matrices below the sgemm row count share one compiled pass when there are several
-    fused = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
-    if len(fused) < 2 or not _same_int4([ws[m] for m in fused]):
-        fused = []
-    if fused:
-        w0 = ws[fused[0]]
-        got = _compiled.q4_matmul_many(x, [(ws[m].data, ws[m].scales) for m in fused], w0.shape[1],
-                                       w0.group_size, [rows[m] for m in fused],
-                                       None if outs is None else [outs[m] for m in fused])
-        for m, y in zip(fused, got):
+    done = set()
+    for group, call in ((_small_group(ws, rows), "q4_matmul_many"),
+                        (_gemm_group(ws, rows) if gemm else [], "q4_prefill_many")):
+        if not group:
+            continue
+        w0 = ws[group[0]]
+        got = getattr(_compiled, call)(x, [(ws[m].data, ws[m].scales) for m in group], w0.shape[1],
+                                       w0.group_size, [rows[m] for m in group],
+                                       None if outs is None else [outs[m] for m in group])
+        for m, y in zip(group, got):
             res[m] = y
+        done.update(group)
     for m in range(len(ws)):
-        if m in fused:
+        if m in done:
             continue
         t0, n = rows[m]
         y = matmul(x[t0: t0 + n], ws[m])
@@ -185,6 +204,18 @@ def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | N
         else:
             outs[m][...] = y
     return res
+
+
+def _small_group(ws: list[Weight], rows) -> list[int]:
+    """The matrices below the sgemm row count, when several can share one compiled pass."""
+    group = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
+    return group if len(group) >= 2 and _same_int4([ws[m] for m in group]) else []
+
+
+def _gemm_group(ws: list[Weight], rows) -> list[int]:
+    """The int4 matrices (of one column count and group size) for the prefill GEMM."""
+    group = [m for m, (_, n) in enumerate(rows) if _gemm_rows(n) and ws[m].scheme == "int4"]
+    return group if group and _same_int4([ws[m] for m in group]) else []
 
 
 def spans(counts) -> list[tuple[int, int]]:
@@ -225,10 +256,10 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.nd
     g = np.empty((total, inter), np.float32)
     u = np.empty((total, inter), np.float32)
     matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
-                [a[t: t + n] for t, n in stacked for a in (g, u)])
+                [a[t: t + n] for t, n in stacked for a in (g, u)], gemm=True)
     h = silu_mul(g, u)
     y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
-    matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
+    matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked], gemm=True)
     return y
 
 
