@@ -83,9 +83,10 @@ def openmp_enabled() -> bool:
     return bool(_compiled is not None and _compiled.openmp_enabled())
 
 
-# Prefill: an int4 matrix applied to at least this many rows is dequantized to float32 and handed
-# to numpy's sgemm (OpenBLAS), which runs at several times the FLOP rate of the widen-and-FMA
-# kernel once the unpacking is shared by enough rows (benchmarks/README.md). The choice depends on
+# Prefill: an int4 matrix applied to at least this many rows runs in the prefill GEMM
+# (PREFILL_GEMM, below) or, without it, is dequantized to float32 and handed to numpy's sgemm
+# (OpenBLAS); either runs at several times the FLOP rate of the widen-and-FMA kernel once the
+# unpacking is shared by enough rows (benchmarks/README.md). The choice depends on
 # the row count only -- never on placement -- so it cannot make output depend on where experts
 # live. COLI_SGEMM_ROWS overrides it (0: never).
 SGEMM_MIN_ROWS = int(os.environ.get("COLI_SGEMM_ROWS", "32") or 0)
@@ -120,6 +121,8 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
         return x @ w.data.T
     if w.scheme == "int4":
         cols = w.shape[1]
+        if _gemm_rows(x.shape[0]):
+            return _compiled.q4_prefill_many(x, [(w.data, w.scales)], cols, w.group_size)[0]
         if _sgemm_rows(x.shape[0]):
             return x @ _dequantized(w).T
         if _compiled is not None:
@@ -156,14 +159,15 @@ def _same_int4(ws: list[Weight]) -> bool:
         w.scheme == "int4" and w.shape[1] == w0.shape[1] and w.group_size == w0.group_size for w in ws)
 
 
-# The MoE block's prefill products (swiglu_many: each routed expert over the tokens routed to it)
-# of at least SGEMM_MIN_ROWS rows run in the compiled prefill GEMM (cython_kernels/prefill.h)
-# instead of dequantize + sgemm: all of a layer's experts in one OpenMP region, each block of
-# weight rows dequantized next to its multiply (a 512-token prefill of the OLMoE geometry: the
-# experts ~1.6x faster on 1 thread, benchmarks/README.md). Its bits are the same for every SIMD
-# variant, thread count and grouping (one fused multiply-add chain per output), not sgemm's. Where
-# the CPU has no hardware FMA for it (the portable variant on x86) sgemm runs instead. Like the
-# sgemm choice it depends on the row count only, never on placement. COLI_PREFILL_GEMM=0: sgemm.
+# Int4 products of at least SGEMM_MIN_ROWS rows (prefill) run in the compiled prefill GEMM
+# (cython_kernels/prefill.h) instead of dequantize + sgemm: the MoE block's experts (each over
+# the few dozen tokens routed to it) all in one OpenMP region, q/k/v in another, each block of
+# weight rows dequantized next to its multiply, no OpenBLAS pool between the kernels' regions
+# (a 512-token prefill of the OLMoE geometry: benchmarks/README.md). Its bits are the same for
+# every SIMD variant, thread count and grouping (one fused multiply-add chain per output), not
+# sgemm's. Where the CPU has no hardware FMA for it (the portable variant on x86) sgemm runs
+# instead. Like the sgemm choice it depends on the row count only, never on placement.
+# COLI_PREFILL_GEMM=0: dequantize + sgemm as before.
 PREFILL_GEMM = os.environ.get("COLI_PREFILL_GEMM", "1") != "0"
 
 
@@ -173,18 +177,17 @@ def _gemm_rows(n: int) -> bool:
 
 
 def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | None = None,
-                outs: list[np.ndarray] | None = None, gemm: bool = False) -> list[np.ndarray]:
+                outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """[x[t0:t0+n] @ W.T for each W] (rows: (t0, n) per matrix, default all of x; outs: arrays to
     write into). Int4 matrices sharing a shape run as one parallel pass -- one OpenMP region
-    instead of one per matrix -- with the same bits as separate ``matmul`` calls. ``gemm``: int4
-    matrices of at least SGEMM_MIN_ROWS rows run in one prefill-GEMM pass (PREFILL_GEMM) instead
-    of dequantize + sgemm each."""
+    instead of one per matrix: the int4 loops below SGEMM_MIN_ROWS rows, the prefill GEMM from
+    there -- with the same bits as separate ``matmul`` calls."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = rows or [(0, x.shape[0])] * len(ws)
     res = list(outs) if outs is not None else [None] * len(ws)
     done = set()
     for group, call in ((_small_group(ws, rows), "q4_matmul_many"),
-                        (_gemm_group(ws, rows) if gemm else [], "q4_prefill_many")):
+                        (_gemm_group(ws, rows), "q4_prefill_many")):
         if not group:
             continue
         w0 = ws[group[0]]
@@ -256,10 +259,10 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.nd
     g = np.empty((total, inter), np.float32)
     u = np.empty((total, inter), np.float32)
     matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
-                [a[t: t + n] for t, n in stacked for a in (g, u)], gemm=True)
+                [a[t: t + n] for t, n in stacked for a in (g, u)])
     h = silu_mul(g, u)
     y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
-    matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked], gemm=True)
+    matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
     return y
 
 
