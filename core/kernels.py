@@ -249,10 +249,12 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.multiply(t, u, out=u)
 
 
-def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.ndarray:
+def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]],
+                out: np.ndarray | None = None) -> np.ndarray:
     """down(silu(gate(x_e)) * up(x_e)) for each expert e over its rows x[t0:t0+n], stacked in
-    expert order ([sum n, H]): gate and up of every expert in one pass, silu once over all of
-    them, then every down in one pass. Per row the same operations as ``expert_ffn``."""
+    expert order ([sum n, H], written into ``out`` when given): gate and up of every expert in one
+    pass, silu once over all of them, then every down in one pass. Per row the same operations as
+    ``expert_ffn`` (below SGEMM_MIN_ROWS rows; from there the prefill GEMM's)."""
     stacked = spans(n for _, n in rows)
     total = sum(n for _, n in rows)
     inter = ffns[0].gate.shape[0] if ffns else 0
@@ -261,9 +263,20 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.nd
     matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
                 [a[t: t + n] for t, n in stacked for a in (g, u)])
     h = silu_mul(g, u)
-    y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
+    y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32) if out is None else out
     matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
     return y
+
+
+def rank_combine(y: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The MoE block's prefill sum: [T, H] with out[t] = y[slots[t, 0]] w[t, 0] + y[slots[t, 1]]
+    w[t, 1] + ... in rank order -- contrib = y[slots] * w, then added rank by rank (numpy's
+    add.reduce over the ranks, the reference) -- compiled and parallel over tokens without the
+    [T, k, H] array in between; the same bits."""
+    if _compiled is not None and hasattr(_compiled, "rank_combine"):
+        return _compiled.rank_combine(y, np.ascontiguousarray(slots, dtype=np.int64),
+                                      np.ascontiguousarray(weights, dtype=np.float32))
+    return np.add.reduce(y[slots] * weights[:, :, None], axis=1)
 
 
 def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> None:

@@ -68,15 +68,16 @@ static void coli_pf_pack(const float *x, coli_idx ldx, coli_idx n, coli_idx np, 
     for (tv = 0; tv < nv; tv += coli_pf_tile_v(nv, tv)) {
         coli_idx ts = COLI_PF_TV * coli_pf_tile_v(nv, tv), t0 = COLI_PF_TV * tv;
         float *d = xt + t0 * cols;
-        for (j = 0; j < ts; j++) {
-            if (t0 + j < n) {
-                const float *xr = x + (t0 + j) * ldx;
-                for (k = k0; k < k1; k++)
-                    d[k * ts + j] = xr[k];
-            } else {
-                for (k = k0; k < k1; k++)
-                    d[k * ts + j] = 0.0f;
-            }
+        coli_idx real = n - t0 < ts ? n - t0 : ts;
+        /* k outer: the writes run contiguously and the ts rows being read stay in L1 (the other
+         * order wrote a cache line per element) */
+        for (k = k0; k < k1; k++) {
+            const float *xk = x + t0 * ldx + k;
+            float *dk = d + k * ts;
+            for (j = 0; j < real; j++)
+                dk[j] = xk[j * ldx];
+            for (; j < ts; j++)
+                dk[j] = 0.0f;
         }
     }
 }
@@ -307,6 +308,26 @@ static void coli_pf_block(int level, const float *xt, coli_idx n, coli_idx np, c
     for (j = 0; j < n; j++)
         for (o = 0; o < no; o++)
             y[j * ldy + o0 + o] = C[o * np + j];
+}
+
+/* The MoE block's prefill sum for one token: out[j] = y[slot[0]][j] * w[0] + y[slot[1]][j] * w[1]
+ * + ... in rank order, each product and each sum rounded on its own (no fused multiply-add:
+ * -ffp-contract=off) -- the values of numpy's contrib = y * w then add.reduce over the ranks,
+ * without the [T, k, H] array in between. */
+static void coli_pf_rank_combine(const float *y, coli_idx H, const int64_t *slot, const float *w,
+                                 coli_idx k, float *out)
+{
+    coli_idx r, j;
+    const float *y0 = y + slot[0] * H;
+    float w0 = w[0];
+    for (j = 0; j < H; j++)
+        out[j] = y0[j] * w0;
+    for (r = 1; r < k; r++) {
+        const float *yr = y + slot[r] * H;
+        float wr = w[r];
+        for (j = 0; j < H; j++)
+            out[j] = out[j] + yr[j] * wr;
+    }
 }
 
 #endif /* COLI_PREFILL_H */

@@ -2,6 +2,7 @@
 # extension: every matrix of a call in one OpenMP region, the tokens of each row span transposed
 # once, each work block dequantizing a panel of its weights next to the multiply.
 from cython.parallel cimport parallel
+from libc.stdint cimport int64_t
 
 cdef extern from "prefill.h":
     int COLI_PF_OB
@@ -13,6 +14,8 @@ cdef extern from "prefill.h":
     void coli_pf_block(int level, const float* xt, coli_idx n, coli_idx npad, const uint8_t* w,
                        const float* s, coli_idx cols, coli_idx gs, coli_idx o0, coli_idx o1,
                        float* y, coli_idx ldy, float* scratch) noexcept nogil
+    void coli_pf_rank_combine(const float* y, coli_idx H, const int64_t* slot, const float* w,
+                              coli_idx k, float* out) noexcept nogil
 
 cdef Py_ssize_t _PF_PACK_K = 256     # k per packing job
 
@@ -126,3 +129,25 @@ cdef int _pf_many(const float[:, ::1] x, list mats, list outs, const Py_ssize_t[
         free(ix)
         free(p)
     return 0
+
+
+def rank_combine(const float[:, ::1] y, const int64_t[:, ::1] slots, const float[:, ::1] weights):
+    """[T, H]: out[t] = y[slots[t, 0]] * weights[t, 0] + y[slots[t, 1]] * weights[t, 1] + ... in
+    rank order (the MoE block's prefill sum, with numpy's bits for contrib * w then add.reduce),
+    in parallel over tokens. y: float32 [rows, H]; slots: int64 [T, k], each < rows."""
+    cdef Py_ssize_t T = slots.shape[0], k = slots.shape[1], H = y.shape[1], t, r
+    if weights.shape[0] != T or weights.shape[1] != k:
+        raise ValueError(f"weights must be [{T}, {k}], got [{weights.shape[0]}, {weights.shape[1]}]")
+    if k < 1 and T:
+        raise ValueError("slots must have at least one rank")
+    for t in range(T):
+        for r in range(k):
+            if slots[t, r] < 0 or slots[t, r] >= y.shape[0]:
+                raise ValueError(f"slots[{t}, {r}] = {slots[t, r]} is outside y's {y.shape[0]} rows")
+    out = np.empty((T, H), np.float32)
+    cdef float[:, ::1] o = out
+    cdef int nt = _threads_for(T)
+    if T and H:
+        for t in prange(T, nogil=True, num_threads=nt, schedule="static"):
+            coli_pf_rank_combine(&y[0, 0], H, &slots[t, 0], &weights[t, 0], k, &o[t, 0])
+    return out

@@ -139,3 +139,20 @@ def test_moe_prefill_uses_the_gemm_from_the_sgemm_row_count(monkeypatch):
     y = kernels.swiglu_many(x, ffns, rows)
     for (t0, n), f in zip(rows, ffns):
         np.testing.assert_array_equal(_bits(y[t0: t0 + n]), _bits(expert_ffn(x[t0: t0 + n], f)))
+
+
+@pytest.mark.parametrize("T,k,H", [(64, 8, 256), (7, 1, 33), (40, 4, 130)])
+def test_rank_combine_has_numpys_bits(T, k, H):
+    """The MoE block's prefill sum: numpy's contrib = y[slots] * w, then add.reduce over ranks."""
+    rng = np.random.default_rng(T + k + H)
+    y = rng.standard_normal((T * k + 3, H)).astype(np.float32)
+    slots = rng.permutation(T * k + 3)[: T * k].reshape(T, k)
+    w = rng.random((T, k)).astype(np.float32)
+    want = np.add.reduce(y[slots] * w[:, :, None], axis=1)
+    for threads in (1, 2):
+        qm.set_num_threads(threads)
+        np.testing.assert_array_equal(_bits(kernels.rank_combine(y, slots, w)), _bits(want))
+    bad = slots.copy()
+    bad[0, 0] = -1
+    with pytest.raises(ValueError):
+        qm.rank_combine(y, bad, w)
