@@ -2,6 +2,7 @@
 
     python benchmarks/prefill.py [--dir DIR] [--layers 4] [--vocab 151851] [--tokens 512]
                                  [--threads 1,2] [--rounds 5] [--budget-frac 0.25]
+                                 [--llama-bench PATH --gguf FILE [--llama-args "--repack 0"]]
 
 One child process per thread count (OMP and OpenBLAS threads = that count, as decode.py's
 children) opens benchmarks/llamacpp.py's random OLMoE-geometry container (DIR, default
@@ -11,6 +12,10 @@ paths of core.kernels (PREFILL_GEMM on / off) for ``--rounds`` rounds, and print
 best and median wall tok/s, the median process CPU seconds (on a shared machine the CPU time is
 the steadier figure: time slices lost to other jobs are not in it), the engine's attention /
 experts split, and the paired ratio (median over rounds of off-time / on-time of the same round).
+
+``--llama-bench`` / ``--gguf``: llama.cpp's prefill of the same length on the same thread counts
+(``llama-bench -p TOKENS -n 0 -r ROUNDS``, plus ``--llama-args``), run before our child on odd
+rounds of the thread loop and after it on even ones, and the ratio ours (GEMM, median) / theirs.
 
 ``--budget-frac F`` (0 skips): a further child per thread count opens the container with an
 expert pool of F of the expert bytes (``ram_gb``), so most experts of a layer come from disk,
@@ -88,6 +93,17 @@ def run_child(a, threads: int, stream: bool = False) -> dict:
     return json.loads(lines[-1])
 
 
+def llama_pp(a, t: int) -> float | str:
+    """llama-bench's prefill tok/s (avg over its -r repetitions), or an error line."""
+    cmd = [str(a.llama_bench), "-m", str(a.gguf), "-t", str(t), "-p", str(a.tokens), "-n", "0",
+           "-r", str(a.rounds), "-o", "json"] + a.llama_args.split()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        return float(json.loads(r.stdout)[0]["avg_ts"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return f"llama-bench failed (exit {r.returncode})"
+
+
 def report(a, t: int, res: dict) -> None:
     on, off = res["runs"]["True"], res["runs"]["False"]
     ratio = statistics.median(b["s"] / g["s"] for g, b in zip(on, off))
@@ -112,6 +128,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budget-frac", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--llama-bench", type=Path, default=None, help="a built llama-bench, to run beside ours")
+    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF for --llama-bench")
+    ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '--repack 0'")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -126,6 +145,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"{PROG}: error: --threads {a.threads!r}: want comma-separated integers")
     if min(threads) < 1 or a.tokens < 1 or a.rounds < 1 or not 0 <= a.budget_frac < 1:
         raise SystemExit(f"{PROG}: error: --threads, --tokens, --rounds >= 1; 0 <= --budget-frac < 1")
+    if (a.llama_bench is None) != (a.gguf is None):
+        raise SystemExit(f"{PROG}: error: --llama-bench and --gguf go together")
+    for f in (a.llama_bench, a.gguf):
+        if f is not None and not f.is_file():
+            raise SystemExit(f"{PROG}: error: {f}: no such file")
     from benchmarks.common import evict_file, format_summary, machine_summary
     from benchmarks.llamacpp import our_container
     a.dir = our_container(a.dir, a.layers, a.vocab)
@@ -134,12 +158,23 @@ def main(argv=None) -> int:
           f"{a.rounds} paired rounds; load average {os.getloadavg()[0]:.1f}")
     print(f"{'threads':>7} {'path':14s} {'best tok/s':>9} {'med tok/s':>9} {'CPU s':>8} {'attn s':>7} "
           f"{'experts s':>8}  tok/s per round")
-    for t in threads:
+    theirs = {}
+    for n, t in enumerate(threads):
+        if a.llama_bench and n % 2 == 0:
+            theirs[t] = llama_pp(a, t)
         res = run_child(a, t)
+        if a.llama_bench and n % 2 == 1:
+            theirs[t] = llama_pp(a, t)
         if "error" in res:
             print(f"{t:7d} FAILED: {res['error']}")
             continue
         report(a, t, res)
+        if t in theirs:
+            ours = a.tokens / statistics.median(r["s"] for r in res["runs"]["True"])
+            got = theirs[t]
+            print(f"{t:7d} llama.cpp {a.gguf.name} {a.llama_args}: " + (
+                f"{got:.1f} tok/s -> ours (GEMM, median) / llama.cpp = {ours / got:.2f}x"
+                if isinstance(got, float) else got))
     if a.budget_frac > 0:
         print(f"\nstreaming: expert pool = {a.budget_frac:.0%} of the expert bytes, one prefill per "
               f"thread count, prefill GEMM on")

@@ -213,13 +213,13 @@ COLI_PF_TILE512(2, 1)
 COLI_PF_TILE512(1, 1)
 #endif
 
+#if COLI_X86
 /* Outputs per AVX-512 tile of V vectors. */
 static int coli_pf_no512(int V)
 {
     return V == 4 ? 6 : V == 3 ? 8 : V == 2 ? 12 : 16;
 }
 
-#if COLI_X86
 COLI_T_AVX512 static void coli_pf_tiles512(int V, const float *xt, coli_idx np, const float *P,
                                            coli_idx kc, coli_idx kn, float *C, coli_idx no,
                                            int first)
