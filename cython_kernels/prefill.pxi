@@ -109,7 +109,7 @@ cdef int _pf_many(const float[:, ::1] x, list mats, list outs, const Py_ssize_t[
         if xt == NULL or base == NULL:
             raise MemoryError()
         with nogil, parallel(num_threads=nt):
-            for j in prange(njob, schedule="static"):
+            for j in prange(njob, schedule="dynamic"):   # dynamic: a descheduled thread holds one job
                 sp = j // kchunks
                 kc0 = (j % kchunks) * _PF_PACK_K
                 kc1 = min(kc0 + _PF_PACK_K, cols)
@@ -148,6 +148,6 @@ def rank_combine(const float[:, ::1] y, const int64_t[:, ::1] slots, const float
     cdef float[:, ::1] o = out
     cdef int nt = _threads_for(T)
     if T and H:
-        for t in prange(T, nogil=True, num_threads=nt, schedule="static"):
+        for t in prange(T, nogil=True, num_threads=nt, schedule="dynamic", chunksize=16):
             coli_pf_rank_combine(&y[0, 0], H, &slots[t, 0], &weights[t, 0], k, &o[t, 0])
     return out
