@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import core  # noqa: E402,F401  (before numpy: core/__init__.py sets OpenBLAS's spin timeout)
+
 PROG = "prefill.py"
 
 
