@@ -100,6 +100,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import core  # noqa: E402,F401  (first: core/__init__.py sets OpenBLAS's spin timeout before numpy loads)
 from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # noqa: E402
 from benchmarks.families import GEOMETRIES, LABELS, default_dir, ensure, geometry  # noqa: E402
 from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry  # noqa: E402

@@ -83,9 +83,10 @@ def openmp_enabled() -> bool:
     return bool(_compiled is not None and _compiled.openmp_enabled())
 
 
-# Prefill: an int4 matrix applied to at least this many rows is dequantized to float32 and handed
-# to numpy's sgemm (OpenBLAS), which runs at several times the FLOP rate of the widen-and-FMA
-# kernel once the unpacking is shared by enough rows (benchmarks/README.md). The choice depends on
+# Prefill: an int4 matrix applied to at least this many rows runs in the prefill GEMM
+# (PREFILL_GEMM, below) or, without it, is dequantized to float32 and handed to numpy's sgemm
+# (OpenBLAS); either runs at several times the FLOP rate of the widen-and-FMA kernel once the
+# unpacking is shared by enough rows (benchmarks/README.md). The choice depends on
 # the row count only -- never on placement -- so it cannot make output depend on where experts
 # live. COLI_SGEMM_ROWS overrides it (0: never).
 SGEMM_MIN_ROWS = int(os.environ.get("COLI_SGEMM_ROWS", "32") or 0)
@@ -120,6 +121,8 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
         return x @ w.data.T
     if w.scheme == "int4":
         cols = w.shape[1]
+        if _gemm_rows(x.shape[0]):
+            return _compiled.q4_prefill_many(x, [(w.data, w.scales)], cols, w.group_size)[0]
         if _sgemm_rows(x.shape[0]):
             return x @ _dequantized(w).T
         if _compiled is not None:
@@ -156,27 +159,46 @@ def _same_int4(ws: list[Weight]) -> bool:
         w.scheme == "int4" and w.shape[1] == w0.shape[1] and w.group_size == w0.group_size for w in ws)
 
 
+# Int4 products of at least SGEMM_MIN_ROWS rows (prefill) run in the compiled prefill GEMM
+# (cython_kernels/prefill.h) instead of dequantize + sgemm: the MoE block's experts (each over
+# the few dozen tokens routed to it) all in one OpenMP region, q/k/v in another, each block of
+# weight rows dequantized next to its multiply, no OpenBLAS pool between the kernels' regions
+# (a 512-token prefill of the OLMoE geometry: benchmarks/README.md). Its bits are the same for
+# every SIMD variant, thread count and grouping (one fused multiply-add chain per output), not
+# sgemm's. Where the CPU has no hardware FMA for it (the portable variant on x86) sgemm runs
+# instead. Like the sgemm choice it depends on the row count only, never on placement.
+# COLI_PREFILL_GEMM=0: dequantize + sgemm as before.
+PREFILL_GEMM = os.environ.get("COLI_PREFILL_GEMM", "1") != "0"
+
+
+def _gemm_rows(n: int) -> bool:
+    return (PREFILL_GEMM and _sgemm_rows(n) and hasattr(_compiled, "q4_prefill_many")
+            and _compiled.prefill_level() != "portable")
+
+
 def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | None = None,
                 outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """[x[t0:t0+n] @ W.T for each W] (rows: (t0, n) per matrix, default all of x; outs: arrays to
     write into). Int4 matrices sharing a shape run as one parallel pass -- one OpenMP region
-    instead of one per matrix -- with the same bits as separate ``matmul`` calls."""
+    instead of one per matrix: the int4 loops below SGEMM_MIN_ROWS rows, the prefill GEMM from
+    there -- with the same bits as separate ``matmul`` calls."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = rows or [(0, x.shape[0])] * len(ws)
     res = list(outs) if outs is not None else [None] * len(ws)
-    # matrices below the sgemm row count share one compiled pass when there are several
-    fused = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
-    if len(fused) < 2 or not _same_int4([ws[m] for m in fused]):
-        fused = []
-    if fused:
-        w0 = ws[fused[0]]
-        got = _compiled.q4_matmul_many(x, [(ws[m].data, ws[m].scales) for m in fused], w0.shape[1],
-                                       w0.group_size, [rows[m] for m in fused],
-                                       None if outs is None else [outs[m] for m in fused])
-        for m, y in zip(fused, got):
+    done = set()
+    for group, call in ((_small_group(ws, rows), "q4_matmul_many"),
+                        (_gemm_group(ws, rows), "q4_prefill_many")):
+        if not group:
+            continue
+        w0 = ws[group[0]]
+        got = getattr(_compiled, call)(x, [(ws[m].data, ws[m].scales) for m in group], w0.shape[1],
+                                       w0.group_size, [rows[m] for m in group],
+                                       None if outs is None else [outs[m] for m in group])
+        for m, y in zip(group, got):
             res[m] = y
+        done.update(group)
     for m in range(len(ws)):
-        if m in fused:
+        if m in done:
             continue
         t0, n = rows[m]
         y = matmul(x[t0: t0 + n], ws[m])
@@ -185,6 +207,18 @@ def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | N
         else:
             outs[m][...] = y
     return res
+
+
+def _small_group(ws: list[Weight], rows) -> list[int]:
+    """The matrices below the sgemm row count, when several can share one compiled pass."""
+    group = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
+    return group if len(group) >= 2 and _same_int4([ws[m] for m in group]) else []
+
+
+def _gemm_group(ws: list[Weight], rows) -> list[int]:
+    """The int4 matrices (of one column count and group size) for the prefill GEMM."""
+    group = [m for m, (_, n) in enumerate(rows) if _gemm_rows(n) and ws[m].scheme == "int4"]
+    return group if group and _same_int4([ws[m] for m in group]) else []
 
 
 def spans(counts) -> list[tuple[int, int]]:
@@ -228,10 +262,12 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.multiply(t, u, out=u)
 
 
-def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.ndarray:
+def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]],
+                out: np.ndarray | None = None) -> np.ndarray:
     """down(silu(gate(x_e)) * up(x_e)) for each expert e over its rows x[t0:t0+n], stacked in
-    expert order ([sum n, H]): gate and up of every expert in one pass, silu once over all of
-    them, then every down in one pass. Per row the same operations as ``expert_ffn``."""
+    expert order ([sum n, H], written into ``out`` when given): gate and up of every expert in one
+    pass, silu once over all of them, then every down in one pass. Per row the same operations as
+    ``expert_ffn`` (below SGEMM_MIN_ROWS rows; from there the prefill GEMM's)."""
     stacked = spans(n for _, n in rows)
     total = sum(n for _, n in rows)
     inter = ffns[0].gate.shape[0] if ffns else 0
@@ -240,9 +276,20 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]]) -> np.nd
     matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
                 [a[t: t + n] for t, n in stacked for a in (g, u)])
     h = silu_mul(g, u)
-    y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32)
+    y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32) if out is None else out
     matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
     return y
+
+
+def rank_combine(y: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The MoE block's prefill sum: [T, H] with out[t] = y[slots[t, 0]] w[t, 0] + y[slots[t, 1]]
+    w[t, 1] + ... in rank order -- contrib = y[slots] * w, then added rank by rank (numpy's
+    add.reduce over the ranks, the reference) -- compiled and parallel over tokens without the
+    [T, k, H] array in between; the same bits."""
+    if _compiled is not None and hasattr(_compiled, "rank_combine"):
+        return _compiled.rank_combine(y, np.ascontiguousarray(slots, dtype=np.int64),
+                                      np.ascontiguousarray(weights, dtype=np.float32))
+    return np.add.reduce(y[slots] * weights[:, :, None], axis=1)
 
 
 def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> None:

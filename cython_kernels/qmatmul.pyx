@@ -755,6 +755,7 @@ include "layer_ops.pxi"
 include "mla_ops.pxi"
 include "linear_ops.pxi"
 include "kda_ops.pxi"
+include "prefill.pxi"
 
 
 # --- positioned reads without the GIL, on every OS (fileio.h; core.fileio picks it where Python's

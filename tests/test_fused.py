@@ -154,10 +154,13 @@ def test_store_batches_hits_together(containers):
     store.close()
 
 
-def test_many_rows_go_through_sgemm_with_its_bits():
-    """A matrix applied to >= SGEMM_MIN_ROWS rows is dequantized and multiplied by numpy: the bits
-    of x @ dequantize_int4(W).T, whichever call (matmul, matmul_many, fused or not) carries it."""
+def test_many_rows_go_through_sgemm_with_its_bits(monkeypatch):
+    """Without the prefill GEMM (COLI_PREFILL_GEMM=0, or a CPU without it) a matrix applied to >=
+    SGEMM_MIN_ROWS rows is dequantized and multiplied by numpy: the bits of x @
+    dequantize_int4(W).T, whichever call (matmul, matmul_many, fused or not) carries it. (With
+    the GEMM: tests/test_prefill.py.)"""
     from core.quant import dequantize_int4
+    monkeypatch.setattr(kernels, "PREFILL_GEMM", False)
     rng = np.random.default_rng(5)
     n = kernels.SGEMM_MIN_ROWS
     if not n:

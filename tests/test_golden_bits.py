@@ -7,8 +7,9 @@ numpy kernels (``COLI_KERNELS=numpy``, one subprocess for all their cases) -- an
 mode (the fused decode attention block on and off, the float16 KV cache, int8 activations, and
 combinations), it hashes
 
-* ``logits``: teacher-forced logits over 32 ids (one batched pass: the prefill sgemm path for
-  the dense matrices, the int4/int8 loops for the experts);
+* ``logits``: teacher-forced logits over 32 ids (one batched pass: the prefill path -- the
+  prefill GEMM for int4, sgemm otherwise -- for the dense matrices, the int4/int8 loops for the
+  experts);
 * ``decode``: the logits of a 6-id prompt's prefill and 7 incremental steps fed their argmax
   (the one-position decode paths, the KV cache);
 * ``generate``: the ids (and, for the demo model, the text) of ``engine.generate`` with greedy

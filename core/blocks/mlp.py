@@ -101,21 +101,28 @@ class MoEBlock:
         # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
         # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
         # slots and are summed in rank order, so arrival and grouping cannot change the output.
-        contrib = np.empty((h.shape[0], top.shape[1], h.shape[1]), np.float32)
-        for batch in ctx.store.request_batches(i, used):
-            if h.shape[0] == 1:      # decode: every expert reads the one row (laid out once)
+        if h.shape[0] == 1:          # decode: every expert reads the one row (laid out once)
+            contrib = np.empty((1, top.shape[1], h.shape[1]), np.float32)
+            for batch in ctx.store.request_batches(i, used):
                 kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
-                continue
-            picks = [np.nonzero(top == e) for e, _ in batch]
-            rows = np.concatenate([r for r, _ in picks])
-            ranks = np.concatenate([k for _, k in picks])
-            y = kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks))
-            contrib[rows, ranks] = y * weights[rows, ranks][:, None]
-            ctx.check_cancel()     # a prefill batch of experts can take a while
-        if h.shape[0] == 1:
             out = kernels.rank_sum(contrib[0], weights[0])
         else:
-            out = np.add.reduce(contrib, axis=1)   # rank 0 + rank 1 + ..., in that order
+            # prefill: each batch's expert outputs go to the next rows of y (expert after expert);
+            # slots[t, r] records the row holding token t's rank-r expert output
+            T, k = top.shape
+            y = np.empty((T * k, h.shape[1]), np.float32)
+            slots = np.full((T, k), -1, np.int64)     # a slot left unset fails the combine
+            at = 0
+            for batch in ctx.store.request_batches(i, used):
+                picks = [np.nonzero(top == e) for e, _ in batch]
+                rows = np.concatenate([r for r, _ in picks])
+                ranks = np.concatenate([r for _, r in picks])
+                kernels.swiglu_many(h[rows], [ffn for _, ffn in batch],
+                                    kernels.spans(len(r) for r, _ in picks), out=y[at: at + len(rows)])
+                slots[rows, ranks] = np.arange(at, at + len(rows))
+                at += len(rows)
+                ctx.check_cancel()     # a prefill batch of experts can take a while
+            out = kernels.rank_combine(y, slots, weights)   # rank 0 + rank 1 + ..., in that order
         if self.shared is not None:
             y = expert_ffn(h, self.shared)
             if self.shared_gate is not None:     # sigmoid(gate x) per position
