@@ -375,8 +375,9 @@ def run_measured(cmd: list, timeout: float, env=None) -> dict:
     mem0, sect0 = meminfo(), block_sectors_read()
     low, high = [mem0["MemAvailable"]], [mem0["Cached"]]
     t0 = time.perf_counter()
+    # errors="replace": a random model's text is arbitrary bytes (llama.cpp prints raw pieces)
     p = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env, cwd=ROOT)
+                         errors="replace", env=env, cwd=ROOT)
     done = threading.Event()
 
     def sample():

@@ -156,3 +156,15 @@ def test_attention_benchmark_times_two_builds_in_one_process(capsys):
     with pytest.raises(SystemExit) as e:
         attention.main(["--positions", "many"])
     assert "bad --positions" in str(e.value)
+
+
+def test_bigger_than_ram_keeps_a_child_s_output_that_is_not_utf8():
+    """A random model's text is arbitrary bytes (llama.cpp prints raw token pieces): the reader
+    keeps the rest of the output instead of dying in its thread with a UnicodeDecodeError."""
+    import sys
+
+    from benchmarks.bigger_than_ram import run_measured
+    r = run_measured([sys.executable, "-c", "import sys; sys.stdout.buffer.write(b'ok \\x8a\\xff tail'); "
+                      "sys.stderr.write('eval time = 1 ms')"], timeout=30)
+    assert r["rc"] == 0 and r["stdout"].startswith("ok ") and r["stdout"].endswith(" tail")
+    assert r["stderr"] == "eval time = 1 ms"
