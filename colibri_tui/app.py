@@ -52,6 +52,7 @@ class Generation:
     detached: bool = False       # stopped by Esc before any text: the UI is done with it
     holding: bool = False        # its thread holds the engine lock (the app's server waits)
     think_open: bool = False     # the prompt ended inside a think block: the reply starts thinking
+    panel_at: float = float("-inf")  # when the tier panel last took one of its batches
 
     def __post_init__(self):
         self.applied.set()
@@ -170,6 +171,10 @@ class ChatScreen(Screen):
 class ColiApp(App):
     TITLE = "colibrì"
     COMMANDS = App.COMMANDS
+    # While a reply streams, the tier panel (stats, sparkline, brain map) repaints at most this
+    # often, and always with the reply's last batch: each repaint costs the UI thread ~15 ms of
+    # CPU on the cores the kernel threads decode on (benchmarks/README.md, "The speed users see").
+    PANEL_INTERVAL = 0.5
 
     def __init__(self, model_path: str | os.PathLike | None = None, settings: Settings | None = None,
                  history_path: str | os.PathLike | None = None, engine_options: dict | None = None,
@@ -893,9 +898,11 @@ class ColiApp(App):
         if gen.widget is not None and gen.widget.is_attached and len(gen.widget.content) < len(gen.text):
             await gen.widget.append(gen.text[len(gen.widget.content):], tokens=batch["tokens"])
         gen.tokens += batch["tokens"]
-        panel = self.tier_panel
-        panel.push(stats=batch["stats"], rate=batch["rate"], placement=batch["placement"],
-                   heat=batch["heat"], routed=batch["routed"], slot_bytes=self.slot_bytes)
+        now = time.monotonic()
+        if batch["final"] or now - gen.panel_at >= self.PANEL_INTERVAL:
+            gen.panel_at = now
+            self.tier_panel.push(stats=batch["stats"], rate=batch["rate"], placement=batch["placement"],
+                                 heat=batch["heat"], routed=batch["routed"], slot_bytes=self.slot_bytes)
         if not batch["final"]:
             n = (batch["stats"] or {}).get("new_tokens", gen.tokens)
             self.set_status(f"{self.model_name} · generating · {n} tokens · Esc stops")

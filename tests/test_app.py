@@ -437,3 +437,47 @@ def test_select_and_copy_any_message_or_code_block(container, dirs):
             app.action_copy_code()
             assert copied[-1] == "echo two"
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("interval,all_batches", [(0.0, True), (1e9, False)])
+def test_the_tier_panel_repaints_at_most_every_interval_and_with_the_last_batch(container, dirs, monkeypatch,
+                                                                               interval, all_batches):
+    """While a reply streams the tier panel takes a batch at most every PANEL_INTERVAL (its
+    repaint costs the UI thread CPU the kernel threads need), and always the final one."""
+    from colibri_tui.app import ColiApp
+    from colibri_tui.tierpanel import TierPanel
+    from colibri_tui import runner
+    monkeypatch.setattr(ColiApp, "PANEL_INTERVAL", interval)
+    # a batch as soon as the UI took the last one: many batches from the small test model
+    monkeypatch.setattr(runner, "run_generation", functools.partial(runner.run_generation, interval=0.0))
+    pushed = []
+    orig_push = TierPanel.push
+
+    def push(self, **kw):
+        pushed.append(kw["stats"])
+        return orig_push(self, **kw)
+    monkeypatch.setattr(TierPanel, "push", push)
+
+    async def run():
+        app = make_app(container, max_new_tokens=48)
+        batches = []
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            orig = app._apply_batch
+
+            async def spy(gen, batch):
+                batches.append(batch)
+                await orig(gen, batch)
+            app._apply_batch = spy
+            app.prompt_input.text = "hello world"
+            app.prompt_input.focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.gen is None and batches and batches[-1]["final"])
+            assert len(batches) >= 3
+            if all_batches:
+                assert len(pushed) == len(batches)
+            else:                                   # the first batch, then only the final one
+                assert len(pushed) == 2
+            assert pushed[-1] == batches[-1]["stats"]
+            assert app.query_one(TierPanel).last["new_tokens"] == batches[-1]["stats"]["new_tokens"]
+    asyncio.run(run())
