@@ -26,6 +26,16 @@ def make_app(container, **kw):
 wait_for = functools.partial(wait_for, timeout=10.0)     # these screens settle sooner
 
 
+def record_batches(app, batches: list) -> None:
+    """Append every batch the generation worker posts to ``batches`` as the UI applies it."""
+    orig = app._apply_batch
+
+    async def spy(gen, batch):
+        batches.append(batch)
+        await orig(gen, batch)
+    app._apply_batch = spy
+
+
 async def type_and_send(pilot, text):
     app = pilot.app
     app.prompt_input.focus()
@@ -42,12 +52,7 @@ def test_send_streams_markdown_reply_and_tier_panel(container, dirs):
         batches = []
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_for(pilot, lambda: app.engine is not None)
-            orig = app._apply_batch
-
-            async def spy(gen, batch):
-                batches.append(batch)
-                await orig(gen, batch)
-            app._apply_batch = spy          # every batch the worker posts passes here
+            record_batches(app, batches)      # every batch the worker posts passes here
             # Ctrl+J adds a newline instead of sending
             app.prompt_input.focus()
             await pilot.press("h", "i", "ctrl+j", "x")
@@ -463,12 +468,7 @@ def test_the_tier_panel_repaints_at_most_every_interval_and_with_the_last_batch(
         batches = []
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_for(pilot, lambda: app.engine is not None)
-            orig = app._apply_batch
-
-            async def spy(gen, batch):
-                batches.append(batch)
-                await orig(gen, batch)
-            app._apply_batch = spy
+            record_batches(app, batches)
             app.prompt_input.text = "hello world"
             app.prompt_input.focus()
             await pilot.press("enter")

@@ -16,15 +16,8 @@ MAX_TOP_LOGPROBS = 20
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: the printable stand-in character -> the byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    from core.tiktoken_bpe import bytes_to_unicode
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenText:
