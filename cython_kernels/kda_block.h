@@ -149,23 +149,7 @@ static void coli_kda_block(const coli_kda_args *A, float *work, int nt)
     float *y = work, *decay = y + T * C, *beta = decay + T * W, *o = beta + T * H;
     float *mems = o + T * W;
     if (nt < 1) nt = 1;
-    if (nt > 1 && T * C * A->K >= (1 << 18)) {
-#ifdef _OPENMP
-        #pragma omp parallel num_threads(nt)
-#endif
-        {
-#ifdef _OPENMP
-            int p = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            int p = 0, n = 1;
-#endif
-            coli_ix lo, hi;
-            coli_split(C, n, p, &lo, &hi);
-            coli_gdn_conv(T, C, A->K, A->qkv, A->conv_state, A->conv_w, y, lo, hi);
-        }
-    } else {
-        coli_gdn_conv(T, C, A->K, A->qkv, A->conv_state, A->conv_w, y, 0, C);
-    }
+    coli_gdn_conv_split(T, C, A->K, A->qkv, A->conv_state, A->conv_w, y, nt);
     for (r = 0; r < T * H; r++) {                       /* each position's q heads, then k heads */
         coli_ix pos = r / H, hh = r % H;
         coli_kda_l2norm(y + pos * C + hh * d, d, d, 1e-6f, A->scale, 0, 1);

@@ -177,6 +177,30 @@ static void coli_split(coli_ix n, int parts, int p, coli_ix *lo, coli_ix *hi)
     *hi = n * (p + 1) / parts;
 }
 
+/* coli_gdn_conv over all C channels, split between nt threads in a region of its own when there
+ * is enough of it (each channel is one thread's: the same bits whatever the split). */
+static void coli_gdn_conv_split(coli_ix T, coli_ix C, coli_ix K, const float *qkv, float *conv_state,
+                                const float *conv_w, float *y, int nt)
+{
+    if (nt > 1 && T * C * K >= (1 << 18)) {
+#ifdef _OPENMP
+        #pragma omp parallel num_threads(nt)
+#endif
+        {
+#ifdef _OPENMP
+            int p = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+            int p = 0, n = 1;
+#endif
+            coli_ix lo, hi;
+            coli_split(C, n, p, &lo, &hi);
+            coli_gdn_conv(T, C, K, qkv, conv_state, conv_w, y, lo, hi);
+        }
+    } else {
+        coli_gdn_conv(T, C, K, qkv, conv_state, conv_w, y, 0, C);
+    }
+}
+
 /* the whole core for T positions (work: coli_gdn_block_floats). No barrier inside a parallel
  * region (a descheduled thread at a barrier costs a time slice on a loaded machine): the conv
  * (channels split, in its own region when there is enough of it), then the l2norms and gates
@@ -189,23 +213,7 @@ static void coli_gdn_block(const coli_gdn_args *A, float *work, int nt)
     float *y = work, *decay = y + T * C, *beta = decay + T * Hv, *o = beta + T * Hv;
     float *mems = o + T * Hv * dv;
     if (nt < 1) nt = 1;
-    if (nt > 1 && T * C * A->K >= (1 << 18)) {
-#ifdef _OPENMP
-        #pragma omp parallel num_threads(nt)
-#endif
-        {
-#ifdef _OPENMP
-            int p = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-            int p = 0, n = 1;
-#endif
-            coli_ix lo, hi;
-            coli_split(C, n, p, &lo, &hi);
-            coli_gdn_conv(T, C, A->K, A->qkv, A->conv_state, A->conv_w, y, lo, hi);
-        }
-    } else {
-        coli_gdn_conv(T, C, A->K, A->qkv, A->conv_state, A->conv_w, y, 0, C);
-    }
+    coli_gdn_conv_split(T, C, A->K, A->qkv, A->conv_state, A->conv_w, y, nt);
     for (r = 0; r < T * Hk; r++) {                      /* each position's q heads, then k heads */
         coli_ix pos = r / Hk, hh = r % Hk;
         coli_l2norm(y + pos * C + hh * dk, dk, dk, 1e-6f, A->scale, 0, 1);
