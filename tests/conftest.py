@@ -301,3 +301,21 @@ def open_engine(path, **kw):
     e = open_model(path, **{"threads": 1, **kw})
     e.usage_file = None
     return e
+
+
+def assert_block_has_the_bits_of_its_steps(m, x, base, block, qm):
+    """A linear-attention mixer's one compiled core call (``block(m, x, state)``) against its
+    compiled steps (``m.core_steps(qm, ...)``): the same output and state bits; and against the
+    numpy composition (``core_steps(None, ...)``) to float32 rounding. ``base``: the starting state."""
+    s_block = {k: v.copy() for k, v in base.items()}
+    s_steps = {k: v.copy() for k, v in base.items()}
+    s_numpy = {k: v.copy() for k, v in base.items()}
+    got = block(m, x, s_block)
+    want = m.core_steps(qm, *x, s_steps)
+    np.testing.assert_array_equal(got, want)
+    for part in base:
+        np.testing.assert_array_equal(s_block[part], s_steps[part])
+    ref = m.core_steps(None, *x, s_numpy)
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
+    for part in base:
+        np.testing.assert_allclose(s_block[part], s_numpy[part], atol=2e-5, rtol=1e-5)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from core.blocks.linear_attention import KDAMixer
+from tests.conftest import assert_block_has_the_bits_of_its_steps
 
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 if not hasattr(qm, "kda_block"):
@@ -69,18 +70,7 @@ def test_the_block_has_the_bits_of_its_steps(H, d, K, T, threads):
     m = _mixer(rng, H, d, K)
     x = _inputs(rng, m, T)
     base = _state(rng, m, warm=True)
-    s_block = {k: v.copy() for k, v in base.items()}
-    s_steps = {k: v.copy() for k, v in base.items()}
-    s_numpy = {k: v.copy() for k, v in base.items()}
-    got = _block(m, x, s_block)
-    want = m.core_steps(qm, *x, s_steps)
-    np.testing.assert_array_equal(got, want)
-    for part in base:
-        np.testing.assert_array_equal(s_block[part], s_steps[part])
-    ref = m.core_steps(None, *x, s_numpy)
-    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
-    for part in base:
-        np.testing.assert_allclose(s_block[part], s_numpy[part], atol=2e-5, rtol=1e-5)
+    assert_block_has_the_bits_of_its_steps(m, x, base, _block, qm)
 
 
 def test_the_bits_do_not_depend_on_the_thread_count():
