@@ -114,14 +114,7 @@ static void coli_kda_delta(coli_ix T, coli_ix H, coli_ix d, const float *q, cons
 static void coli_kda_norm(const float *x, const float *z, const float *w, coli_ix d, float eps,
                           float *out, coli_ix r0, coli_ix r1)
 {
-    coli_ix r, i;
-    for (r = r0; r < r1; r++) {
-        const float *xr = x + r * d, *zr = z + r * d;
-        float *yr = out + r * d;
-        float inv = 1.0f / sqrtf(coli_dot(xr, xr, d) / (float)d + eps);
-        for (i = 0; i < d; i++)
-            yr[i] = (w[i] * (xr[i] * inv)) * coli_la_sigmoid(zr[i]);
-    }
+    coli_norm_gated_by(x, z, w, d, eps, out, r0, r1, 1);
 }
 
 typedef struct {

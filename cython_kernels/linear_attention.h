@@ -141,9 +141,10 @@ static void coli_gdn_delta(coli_ix T, coli_ix Hk, coli_ix Hv, coli_ix dk, coli_i
     }
 }
 
-/* rows [r0, r1) of x, z [rows, d]: out = (w * (x * (1 / sqrt(mean x^2 + eps)))) * silu(z) */
-static void coli_gated_norm(const float *x, const float *z, const float *w, coli_ix d, float eps,
-                            float *out, coli_ix r0, coli_ix r1)
+/* rows [r0, r1) of x, z [rows, d]: out = (w * (x * (1 / sqrt(mean x^2 + eps)))) * gate(z), the
+ * gate silu (Gated DeltaNet) or, with sigmoid_gate, sigmoid (KDA's o_norm) */
+static void coli_norm_gated_by(const float *x, const float *z, const float *w, coli_ix d, float eps,
+                               float *out, coli_ix r0, coli_ix r1, int sigmoid_gate)
 {
     coli_ix r, i;
     for (r = r0; r < r1; r++) {
@@ -151,8 +152,15 @@ static void coli_gated_norm(const float *x, const float *z, const float *w, coli
         float *yr = out + r * d;
         float inv = 1.0f / sqrtf(coli_dot(xr, xr, d) / (float)d + eps);
         for (i = 0; i < d; i++)
-            yr[i] = (w[i] * (xr[i] * inv)) * coli_la_silu(zr[i]);
+            yr[i] = (w[i] * (xr[i] * inv)) * (sigmoid_gate ? coli_la_sigmoid(zr[i]) : coli_la_silu(zr[i]));
     }
+}
+
+/* the gated RMSNorm of Gated DeltaNet: out = w * x / sqrt(mean x^2 + eps) * silu(z) */
+static void coli_gated_norm(const float *x, const float *z, const float *w, coli_ix d, float eps,
+                            float *out, coli_ix r0, coli_ix r1)
+{
+    coli_norm_gated_by(x, z, w, d, eps, out, r0, r1, 0);
 }
 
 typedef struct {
