@@ -258,7 +258,8 @@ class Engine:
         """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
         after layer i's attention and ask the store to start reading those experts."""
         j = self._next_moe[i]
-        if j is None or self._all_in_ram or not getattr(self.store, "prefetch_enabled", False):
+        if j is None or not getattr(self.store, "prefetch_enabled", False) or (
+                self._all_in_ram and self.store.cap >= self.spec.num_experts):   # not if the pool shrank since
             return
         L = self.layers[j]
         ranked = L.router.predict(rms_norm(x, L.post_norm, self.spec.rms_norm_eps))

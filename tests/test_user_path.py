@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from core.events import Done, Stats, Token
 from core.sampling import SamplingParams
 from tests.conftest import open_engine
@@ -35,6 +37,24 @@ def test_warm_experts_reads_every_expert_when_the_model_fits(demo):
     want = [e for e in cold.generate(prompt, greedy, max_new_tokens=12) if isinstance(e, Stats)][-1]
     assert final["ids"] == want.as_dict()["ids"]                   # placement, never bits
     assert want.as_dict()["misses"] > 0
+
+
+def test_lookahead_prefetch_resumes_when_the_pool_shrinks_after_warming(demo):
+    """Warmed, a model that fits skips the lookahead (nothing can miss); once the pool gives slots
+    back (a growing context) experts can miss again, so the lookahead runs again."""
+    engine = open_engine(demo)
+    if not getattr(engine.store, "prefetch_enabled", False):
+        pytest.skip("the store runs without prefetch here")
+    assert engine.warm_experts()
+    wait_loaded(engine)
+    greedy = SamplingParams(greedy=True)
+
+    def issued(prompt):      # the reply's own count (generate starts the store's counters afresh)
+        final = [e for e in engine.generate(prompt, greedy, max_new_tokens=8) if isinstance(e, Stats)][-1]
+        return final.as_dict()["prefetch_issued"]
+    assert issued(list(range(5, 17))) == 0
+    engine.store.shrink(2)
+    assert issued(list(range(20, 32))) > 0
 
 
 def test_warm_experts_does_nothing_when_the_model_does_not_fit(demo):
