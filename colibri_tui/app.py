@@ -22,6 +22,7 @@ from textual.widgets import Footer, Header, Label, ListItem, ListView, Static
 from . import settings as settings_mod
 from .chatview import AssistantMessage, MessageList, PromptInput, UserMessage, code_blocks
 from .history import History, export_path, title_from
+from .pacing import PaintBudget
 from .safetext import one_line, visible
 from .thinking import prompt_opens_think, split_think
 from .screens import ChatSettingsScreen, ConfirmScreen, MessageScreen, SettingsScreen, TextPrompt
@@ -53,6 +54,7 @@ class Generation:
     holding: bool = False        # its thread holds the engine lock (the app's server waits)
     think_open: bool = False     # the prompt ended inside a think block: the reply starts thinking
     panel_at: float = float("-inf")  # when the tier panel last took one of its batches
+    paint: PaintBudget = field(default_factory=PaintBudget)   # when the next batch may come
 
     def __post_init__(self):
         self.applied.set()
@@ -124,7 +126,7 @@ class ChatScreen(Screen):
     #chats ListView { height: 1fr; }
     #chats .heading { text-style: bold; color: $accent; padding: 0 1; }
     #main { width: 1fr; }
-    #status { height: 1; padding: 0 1; color: $text-muted; }
+    #status { width: 1fr; height: 1; padding: 0 1; color: $text-muted; }   /* fixed: no layout on update */
     """
 
     def compose(self) -> ComposeResult:
@@ -174,7 +176,7 @@ class ColiApp(App):
     # While a reply streams, the tier panel (stats, sparkline, brain map) repaints at most this
     # often, and always with the reply's last batch: each repaint costs the UI thread ~15 ms of
     # CPU on the cores the kernel threads decode on (benchmarks/README.md, "The speed users see").
-    PANEL_INTERVAL = 0.5
+    PANEL_INTERVAL = 1.0
 
     def __init__(self, model_path: str | os.PathLike | None = None, settings: Settings | None = None,
                  history_path: str | os.PathLike | None = None, engine_options: dict | None = None,
@@ -194,7 +196,7 @@ class ColiApp(App):
         self.model_name = ""
         self.slot_bytes: int | None = None
         self.chat_id: int | None = None
-        self.gen: Generation | None = None
+        self._gen: Generation | None = None
         self.stopping: Generation | None = None     # detached, its thread still ending
         self.loading = engine is None
         # one engine for the chat and the app's server (settings: serve): whoever generates
@@ -220,13 +222,29 @@ class ColiApp(App):
         return self._q("#prompt", PromptInput)
 
     @property
+    def gen(self) -> Generation | None:
+        """The reply streaming now (None: none)."""
+        return self._gen
+
+    @gen.setter
+    def gen(self, gen: Generation | None) -> None:
+        self._gen = gen
+        from textual.app import ScreenStackError
+        from textual.css.query import NoMatches
+        try:                  # a blinking cursor is two frames a second the decode pays for
+            self.prompt_input.cursor_blink = gen is None
+        except (NoMatches, ScreenStackError):     # not composed yet, or closing
+            pass
+
+    @property
     def tier_panel(self) -> TierPanel:
         return self._q("#tiers", TierPanel)
 
     def set_status(self, text: str) -> None:
         from textual.css.query import NoMatches
         try:
-            self._q("#status", Static).update(Text(one_line(text)))
+            # one line of fixed size: its updates (every batch) repaint it without a layout
+            self._q("#status", Static).update(Text(one_line(text)), layout=False)
         except NoMatches:          # closing
             pass
 
@@ -447,9 +465,11 @@ class ColiApp(App):
     # --- chats ---------------------------------------------------------------------------------
     def refresh_chat_list(self) -> None:
         lv = self._q("#chat-list", ListView)
-        lv.clear()
-        items = [ChatItem(c.id, c.title) for c in self.history.chats()]
-        lv.extend(items)
+        chats = [(c.id, c.title) for c in self.history.chats()]
+        shown = [(it.chat_id, it.title) for it in lv.children if isinstance(it, ChatItem)]
+        if chats != shown:     # else no rebuild: it lays out the screen again, and a send does it
+            lv.clear()
+            lv.extend(ChatItem(i, title) for i, title in chats)
         self.call_after_refresh(self._select_current_chat)
 
     def _select_current_chat(self) -> None:
@@ -868,7 +888,7 @@ class ColiApp(App):
                 if restored is not None and restored.warning:
                     warn(restored.warning)
             run_generation(engine, messages, params, max_new_tokens, post, cancelled=lambda: gen.cancel,
-                           ready=gen.applied.is_set, after=save)
+                           ready=lambda: gen.applied.is_set() and gen.paint.due(), after=save)
         gen.thread = threading.Thread(target=run, name="coli-generate", daemon=True)
         gen.thread.start()
 
@@ -876,6 +896,7 @@ class ColiApp(App):
         try:
             await self._apply_batch(message.gen, message.batch)
         finally:
+            message.gen.paint.applied()
             message.gen.applied.set()
 
     def engine_busy(self) -> bool:

@@ -12,6 +12,7 @@ experts, tiers and heat. Pure Python on plain dicts, no numpy."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from rich.color import Color
 from rich.segment import Segment
@@ -57,6 +58,13 @@ def zoom_levels(fit_l: int, fit_e: int) -> list[tuple[int, int]]:
 
 def fmt_heat(v: float) -> str:
     return str(int(round(v))) if abs(v - round(v)) < 1e-9 or v >= 100 else f"{v:.1f}"
+
+
+@lru_cache(maxsize=4096)
+def half_block(fg: tuple[int, int, int], bg: tuple[int, int, int] | None) -> Style:
+    """The style of one cell (upper half fg, lower half bg): built once per colour pair, not once
+    per cell and repaint (the map repaints with every tier panel update while a reply streams)."""
+    return Style(color=Color.from_rgb(*fg), bgcolor=None if bg is None else Color.from_rgb(*bg))
 
 
 def span(lo: int, hi: int, one: str, many: str) -> str:
@@ -402,10 +410,7 @@ class BrainMap(ScrollView, can_focus=True):
             if c >= g.cols:
                 segs.append(Segment(" " * (sx + body - x)))
                 break
-            fg = Color.from_rgb(*(CURSOR_RGB if (top, c) == (cr, cc) else g.rgb(top, c)))
-            if bot < g.rows:
-                bg = Color.from_rgb(*(CURSOR_RGB if (bot, c) == (cr, cc) else g.rgb(bot, c)))
-                segs.append(Segment("▀", Style(color=fg, bgcolor=bg)))
-            else:
-                segs.append(Segment("▀", Style(color=fg)))
+            fg = CURSOR_RGB if (top, c) == (cr, cc) else g.rgb(top, c)
+            bg = None if bot >= g.rows else CURSOR_RGB if (bot, c) == (cr, cc) else g.rgb(bot, c)
+            segs.append(Segment("▀", half_block(fg, bg)))
         return Strip(segs).adjust_cell_length(w).apply_style(base).simplify()

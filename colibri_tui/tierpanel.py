@@ -59,6 +59,7 @@ class TierPanel(Vertical):
     TierPanel { width: 44; border-left: tall $primary 40%; padding: 0 1; }
     TierPanel.-hidden { display: none; }
     TierPanel .title { text-style: bold; color: $accent; }
+    TierPanel #speed-title { width: 1fr; }     /* fixed: its updates (every push) need no layout */
     TierPanel #speed { height: 3; }
     TierPanel #tier-stats { height: auto; }
     TierPanel #brain-legend { height: auto; }
@@ -74,6 +75,7 @@ class TierPanel(Vertical):
         self.ram_used: int | None = None
         self.ram_budget: int | None = None
         self.server: dict | None = None     # the app's server (EmbeddedServer.info()), None: off
+        self._lines = -1                    # lines of the stats table as last shown
 
     def compose(self) -> ComposeResult:
         yield Label("tok/s", classes="title", id="speed-title")
@@ -90,7 +92,7 @@ class TierPanel(Vertical):
 
     def on_brain_map_changed(self, event: BrainMap.Changed) -> None:
         # the words under the map: the selected cell, or how many experts a cell holds
-        self.query_one("#brain-info", Static).update(Text(event.brain_map.info()))
+        self.query_one("#brain-info", Static).update(Text(event.brain_map.info()), layout=False)   # fixed size
 
     def set_model(self, layers: int, experts: int, ram_budget: int | None = None) -> None:
         self.brain.set_shape(layers, experts)
@@ -151,10 +153,19 @@ class TierPanel(Vertical):
         return f"OS tier · {share:.0%} of reads"
 
     def refresh_stats(self) -> None:
-        self.query_one("#tier-stats", Static).update(self._table())
+        # Its height is set, not measured: with height auto every layout of the screen (one a
+        # streamed batch) rendered the table once more to measure it, ~15 % of a batch's paint.
+        # A layout only when the table gains or loses a line.
+        table = self._table()
+        lines = table.row_count + self.server_line().count("\n")
+        stats = self.query_one("#tier-stats", Static)
+        if lines != self._lines:
+            stats.styles.height = lines
+        stats.update(table, layout=lines != self._lines)
+        self._lines = lines
         if self.rates:
             self.query_one("#speed-title", Label).update(
-                f"tok/s  now {self.rates[-1]:.1f} · peak {max(self.rates):.1f}")
+                f"tok/s  now {self.rates[-1]:.1f} · peak {max(self.rates):.1f}", layout=False)
 
     def plain(self, width: int = 41) -> str:
         """The stats as plain text (tests, logs)."""

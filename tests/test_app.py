@@ -481,3 +481,76 @@ def test_the_tier_panel_repaints_at_most_every_interval_and_with_the_last_batch(
             assert pushed[-1] == batches[-1]["stats"]
             assert app.query_one(TierPanel).last["new_tokens"] == batches[-1]["stats"]["new_tokens"]
     asyncio.run(run())
+
+
+def test_the_paint_budget_spaces_batches_by_the_ui_threads_cpu():
+    from colibri_tui.pacing import PaintBudget
+    now, cpu = [100.0], [5.0]
+    b = PaintBudget(share=0.02, longest=0.5, clock=lambda: now[0], cpu=lambda: cpu[0])
+    assert b.due()
+    b.applied()                        # the first batch: nothing measured yet
+    assert b.due()
+    now[0], cpu[0] = 100.3, 5.004      # 4 ms of painting since: the next no sooner than 0.2 s
+    b.applied()
+    assert b.next_at == pytest.approx(100.5)
+    now[0] = 100.49
+    assert not b.due()
+    now[0] = 100.5
+    assert b.due()
+    now[0], cpu[0] = 101.0, 5.104      # 100 ms of painting: capped at the longest wait
+    b.applied()
+    assert b.next_at == pytest.approx(101.5)
+
+
+def test_a_streaming_reply_waits_for_the_paint_budget(container, dirs, monkeypatch):
+    """The worker posts the next batch only once the UI's painting since the last is within its
+    share of the time (PaintBudget); the prompt's cursor stops blinking while a reply streams."""
+    from colibri_tui import runner
+    from colibri_tui.pacing import PaintBudget
+    monkeypatch.setattr(runner, "run_generation", functools.partial(runner.run_generation, interval=0.0))
+    monkeypatch.setattr(PaintBudget, "SHARE", 1e-9)      # any painting: wait the longest
+    monkeypatch.setattr(PaintBudget, "LONGEST", 60.0)
+
+    async def run():
+        app = make_app(container, max_new_tokens=200)
+        batches, blink = [], []
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            record_batches(app, batches)
+            orig = app._apply_batch
+
+            async def spy(gen, batch):
+                blink.append(app.prompt_input.cursor_blink)
+                await orig(gen, batch)
+            app._apply_batch = spy
+            assert app.prompt_input.cursor_blink
+            await type_and_send(pilot, "hello world")
+            await wait_for(pilot, lambda: app.gen is None and batches and batches[-1]["final"], timeout=60)
+            # the first batch (nothing measured), the second (measured: wait 60 s), the final one
+            assert len(batches) == 3 and batches[-1]["stats"]["new_tokens"] == 200
+            assert sum(b["tokens"] for b in batches) == 200
+            assert blink == [False] * 3 and app.prompt_input.cursor_blink
+    asyncio.run(run())
+
+
+def test_a_send_rebuilds_the_chat_list_only_when_it_changed(container, dirs):
+    from colibri_tui.app import ChatItem
+
+    async def run():
+        app = make_app(container, max_new_tokens=4)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+            await type_and_send(pilot, "first message")
+            await wait_for(pilot, lambda: app.gen is None)
+            await pilot.pause(0.1)
+            items = list(app.query(ChatItem))
+            assert [it.title for it in items] == [app.history.get(app.chat_id).title]
+            await type_and_send(pilot, "second message")          # same chat, same title
+            await wait_for(pilot, lambda: app.gen is None)
+            await pilot.pause(0.1)
+            assert list(app.query(ChatItem)) == items               # the same widgets
+            app.history.rename(app.chat_id, "renamed")
+            app.refresh_chat_list()
+            await pilot.pause(0.1)
+            assert [it.title for it in app.query(ChatItem)] == ["renamed"]
+    asyncio.run(run())

@@ -74,6 +74,10 @@ def test_the_settings_switch_starts_and_stops_the_server(container, dirs):
             await wait_for(pilot, lambda: "1 served" in panel.plain(width=60))
             text = panel.plain(width=60)
             assert srv.url in text and "queue 0/8" in text
+            # the stats' height is set, not measured: it follows the lines, the server's two too
+            await pilot.pause(0.1)
+            stats = panel.query_one("#tier-stats")
+            assert stats.size.height == panel._table().row_count + 1 == len(panel.plain().rstrip("\n").splitlines())
 
             # the app's chat works while serving: a request decodes, the chat's reply waits for it
             slow = {}
