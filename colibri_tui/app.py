@@ -12,9 +12,10 @@ from typing import Iterable
 
 from rich.text import Text
 from textual import on
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, ListItem, ListView, Static
@@ -229,8 +230,6 @@ class ColiApp(App):
     @gen.setter
     def gen(self, gen: Generation | None) -> None:
         self._gen = gen
-        from textual.app import ScreenStackError
-        from textual.css.query import NoMatches
         try:                  # a blinking cursor is two frames a second the decode pays for
             self.prompt_input.cursor_blink = gen is None
         except (NoMatches, ScreenStackError):     # not composed yet, or closing
@@ -241,11 +240,10 @@ class ColiApp(App):
         return self._q("#tiers", TierPanel)
 
     def set_status(self, text: str) -> None:
-        from textual.css.query import NoMatches
         try:
             # one line of fixed size: its updates (every batch) repaint it without a layout
             self._q("#status", Static).update(Text(one_line(text)), layout=False)
-        except NoMatches:          # closing
+        except (NoMatches, ScreenStackError):          # closing
             pass
 
     def show_title(self, chat_title: str) -> None:
@@ -464,7 +462,10 @@ class ColiApp(App):
 
     # --- chats ---------------------------------------------------------------------------------
     def refresh_chat_list(self) -> None:
-        lv = self._q("#chat-list", ListView)
+        try:
+            lv = self._q("#chat-list", ListView)
+        except (NoMatches, ScreenStackError):      # the app is closing (a reply's end, say)
+            return
         chats = [(c.id, c.title) for c in self.history.chats()]
         shown = [(it.chat_id, it.title) for it in lv.children if isinstance(it, ChatItem)]
         if chats != shown:     # else no rebuild: it lays out the screen again, and a send does it
@@ -473,7 +474,10 @@ class ColiApp(App):
         self.call_after_refresh(self._select_current_chat)
 
     def _select_current_chat(self) -> None:
-        lv = self._q("#chat-list", ListView)
+        try:                       # runs after a refresh: the app may be closing by then
+            lv = self._q("#chat-list", ListView)
+        except (NoMatches, ScreenStackError):
+            return
         items = [it for it in lv.children if isinstance(it, ChatItem)]
         for i, it in enumerate(items):
             if it.chat_id == self.chat_id and lv.index != i:

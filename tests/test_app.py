@@ -554,3 +554,18 @@ def test_a_send_rebuilds_the_chat_list_only_when_it_changed(container, dirs):
             await pilot.pause(0.1)
             assert [it.title for it in app.query(ChatItem)] == ["renamed"]
     asyncio.run(run())
+
+
+def test_a_replys_end_while_the_app_closes_raises_nothing(container, dirs):
+    """The last batch of a reply can be applied while the app is closing (Ctrl+Q as the reply
+    ends; a benchmark leaving run_test at the final batch): the chat list, the status line, the
+    chat selection and the prompt's cursor then have no screen, and the app exits cleanly."""
+    async def run():
+        app = make_app(container, max_new_tokens=4)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.engine is not None)
+        app.refresh_chat_list()
+        app.set_status("ready")
+        app._select_current_chat()
+        app.gen = None
+    asyncio.run(run())
