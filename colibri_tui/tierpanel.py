@@ -189,8 +189,8 @@ class TierPanel(Vertical):
             t.add_row("speed", f"{d.get('decode_tok_s', 0):.1f} tok/s · prefill {d.get('prefill_tok_s', 0):.0f}")
             hits, misses = d.get("hits", 0), d.get("misses", 0)
             t.add_row("hit rate", f"RAM {d.get('hit_rate', 1.0):.1%} · disk {misses} of {hits + misses}")
-            # always a row (– until the second token): a row that comes and goes lays the screen out
-            t.add_row("read/tok", "–" if self.per_token_bytes is None else human_bytes(self.per_token_bytes))
+            if self.per_token_bytes is not None:
+                t.add_row("read/tok", human_bytes(self.per_token_bytes))
             t.add_row("read", human_bytes(d.get("bytes_read", 0)))
             rec = d.get("prefetch_recall")
             used, issued = d.get("prefetch_used", 0), d.get("prefetch_issued", 0)
