@@ -101,9 +101,12 @@ class TierPanel(Vertical):
         self.refresh_stats()
 
     def reset(self) -> None:
+        """A new reply: the speed history starts again; the last reply's stats stay until the
+        new one's first arrive (a table that shrank to one line and grew back lays the screen out
+        twice more as the reply starts)."""
         self.rates = []
         self.query_one(Sparkline).data = []
-        self.last, self.per_token_bytes, self._base = {}, None, None
+        self._base = None
 
     def push(self, stats: dict | None = None, rate: float | None = None, placement: dict | None = None,
              heat: dict | None = None, routed: dict | None = None, slot_bytes: int | None = None) -> None:
@@ -115,7 +118,7 @@ class TierPanel(Vertical):
             n, b = stats.get("new_tokens", 0), stats.get("bytes_read", 0)
             # decode only: bytes read since the first token, per token after it (prefill excluded)
             if self._base is None or n < self._base[0]:
-                self._base = (n, b)
+                self._base = (n, b)                 # (the last reply's per-token figure until then)
             if n > self._base[0]:
                 self.per_token_bytes = (b - self._base[1]) / (n - self._base[0])
             self.last = dict(stats)
