@@ -8,7 +8,7 @@ the real app at 0.83 of the benchmark when it painted every 0.15 s, ~20 ms of CP
 CPU its thread spent since the previous one (the frames that batch caused included) and lets the
 next batch come only once that is ``share`` of the time between them. A cheap paint (a fast
 machine, a short chat) keeps the worker's own cadence; a costly one (a slow machine, a long chat,
-a big terminal) streams in bigger steps, never slower than ``longest``."""
+a big terminal) streams in bigger steps, never further apart than ``longest``."""
 from __future__ import annotations
 
 import time
@@ -17,7 +17,7 @@ from typing import Callable
 
 class PaintBudget:
     SHARE = 0.025       # of the wall time, for the UI thread's CPU while a reply streams
-    LONGEST = 0.6       # s: the longest wait for the next batch, whatever a paint costs
+    LONGEST = 1.0       # s: the longest wait for the next batch, whatever a paint costs
 
     def __init__(self, share: float | None = None, longest: float | None = None,
                  clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.thread_time):
