@@ -5,7 +5,9 @@ one row, sgemm for many), interleaved in one process. Prints numbers; asserts no
 numpy's BLAS thread count is fixed when the process starts: run once per count with
 OPENBLAS_NUM_THREADS set, the kernel at the same count (--threads defaults to it). Each figure is
 the best call of all rounds (a shared machine spoils single rounds, not the best); one row is
-reported as GB/s of W read, many rows as GFLOP/s.
+reported as GB/s of W read, many rows as GFLOP/s. Between the two kernels the process sleeps
+(--pause): OpenBLAS's workers spin after each call, and on 2 cores an OpenMP team behind them
+ran up to 5x slower (the engine itself no longer calls sgemm for these products).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/dense_matmul.py [--shapes 4096x2048,12288x2048]
                                    [--tokens 1,32,128,512] [--rounds 5] [--calls 3] [--simd NAME]
@@ -22,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import format_summary, machine_summary  # noqa: E402
+from core import kernels  # noqa: E402,F401  (sets the OpenMP spin the engine runs with)
 from cython_kernels import qmatmul as qm  # noqa: E402
 
 
@@ -41,6 +44,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=3, help="timed calls per kernel per round")
     ap.add_argument("--simd", default="auto", help="SIMD variant (default: the dispatcher's)")
+    ap.add_argument("--pause", type=float, default=0.3,
+                    help="seconds between the two kernels: after an sgemm OpenBLAS's threads keep "
+                         "spinning and a 2-thread OpenMP team on the same cores waits for them")
     a = ap.parse_args(argv)
     if a.simd not in ("auto", *qm.simd_variants()):
         raise SystemExit(f"error: --simd {a.simd!r} is not one of auto, {', '.join(qm.simd_variants())}")
@@ -65,6 +71,7 @@ def main(argv=None) -> None:
             for rnd in range(a.rounds):
                 for name in (("numpy", "dense") if rnd % 2 == 0 else ("dense", "numpy")):
                     f = runs[name]
+                    time.sleep(a.pause)     # the other's spinning threads (OpenBLAS's, ours) sleep
                     f()
                     for _ in range(a.calls):
                         t0 = time.perf_counter()

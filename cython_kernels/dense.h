@@ -20,9 +20,12 @@
  * hardware FMA (the portable variant) fmaf is a library call: core.kernels uses numpy instead.
  *
  * Tiles: R token rows x C weight rows, each pair its own accumulator, one load of x per row and
- * of W per output per step shared by the tile (AVX-512 4 x 6 = 24 zmm, AVX2 2 x 3 = 12 ymm);
- * the W tile (C rows x a panel of KC floats) stays in L1 while the token tiles of a work block
- * pass over it. */
+ * of W per output per step shared by the tile (AVX-512 4 x 6 = 24 zmm, AVX2 2 x 3 = 12 pairs of
+ * ymm; one row: 1 x 8 / 1 x 6); the W tile (C rows x a panel of KC floats) stays in L1 while the
+ * token tiles of a work block (TB rows x OB outputs) pass over it.
+ *
+ * Speed (benchmarks/README.md, "Dense products"): one row reads W at sgemv's speed; on one
+ * AVX-512 core 32 rows run ~1.5x sgemm, 128 rows at par, 512 rows ~0.8x. */
 #ifndef COLI_DENSE_H
 #define COLI_DENSE_H
 
@@ -30,22 +33,41 @@
 #include "qkern.h"
 
 enum { COLI_DN_L = 16 };     /* lanes per (t, o) pair */
-enum { COLI_DN_KC = 1024 };   /* k per panel (a multiple of 16) */
+enum { COLI_DN_KC = 1024 }; /* k per panel (a multiple of 16) */
 enum { COLI_DN_TB = 64 };    /* token rows per work block */
 enum { COLI_DN_OB = 96 };    /* weight rows per work block (a multiple of every tile's C) */
 
 /* Scratch floats per thread: the lanes of a work block's pairs between panels. */
 enum { COLI_DN_LDP = COLI_DN_KC + 16 };   /* row stride of the copied panels */
-enum { COLI_DN_CMAX = 6 };                 /* the widest tile's outputs */
+enum { COLI_DN_CMAX = 6 };                 /* the widest many-row tile's outputs */
 
-/* Scratch floats per thread for T rows of K: the lanes of a work block's pairs between panels,
- * its x panel and one output tile's W panel; one row only the lanes (none when K fits one
- * panel: decode allocates nothing). */
+/* Scratch floats per thread for T rows of K: the lanes of a work block's pairs between panels
+ * and one output tile's W panel; none for one row (decode: one panel, nothing to allocate). */
 static size_t coli_dn_scratch_floats(coli_idx T, coli_idx K)
 {
+    (void)K;
     if (T <= 1)
-        return K <= COLI_DN_KC ? 0 : (size_t)COLI_DN_OB * COLI_DN_L;
-    return (size_t)(COLI_DN_TB * COLI_DN_OB * COLI_DN_L + (COLI_DN_TB + COLI_DN_CMAX) * COLI_DN_LDP);
+        return 0;
+    return (size_t)(COLI_DN_TB * COLI_DN_OB * COLI_DN_L + COLI_DN_CMAX * COLI_DN_LDP);
+}
+
+/* Row stride of x laid out for many rows: K rounded up to whole 16-lane steps (zeros after K),
+ * plus 16 floats, so that the rows of a tile do not share L1 sets (see coli_dn_block). */
+static coli_idx coli_dn_ldx(coli_idx K)
+{
+    return (K + 15) / 16 * 16 + 16;
+}
+
+/* Rows [t0, t1) of x [.][K] into X [.][ldx], zero padded (coli_dn_ldx). */
+static void coli_dn_lay_x(const float *x, coli_idx K, coli_idx t0, coli_idx t1, float *X,
+                          coli_idx ldx)
+{
+    coli_idx t, k;
+    for (t = t0; t < t1; t++) {
+        memcpy(X + t * ldx, x + t * K, (size_t)K * sizeof(float));
+        for (k = K; k < ldx; k++)
+            X[t * ldx + k] = 0.0f;
+    }
 }
 
 /* The level whose loops run: AVX-512, AVX2, or the portable loops (NEON's too: the same bits). */
@@ -152,6 +174,7 @@ COLI_DN_TILE512(4, 6)
 COLI_DN_TILE512(3, 6)
 COLI_DN_TILE512(2, 6)
 COLI_DN_TILE512(1, 6)
+COLI_DN_TILE512(1, 8)
 COLI_DN_TILE512(4, 1)
 COLI_DN_TILE512(3, 1)
 COLI_DN_TILE512(2, 1)
@@ -222,6 +245,7 @@ COLI_T_AVX2 static inline __m256i coli_dn_mask8(coli_idx n)
     }
 COLI_DN_TILE256(2, 3)
 COLI_DN_TILE256(1, 3)
+COLI_DN_TILE256(1, 6)
 COLI_DN_TILE256(2, 1)
 COLI_DN_TILE256(1, 1)
 
@@ -234,22 +258,29 @@ static coli_dn_tile_fn coli_dn_tile512(int R, int C)
                                            coli_dn_tile512_3_6, coli_dn_tile512_4_6};
     static const coli_dn_tile_fn one[4] = {coli_dn_tile512_1_1, coli_dn_tile512_2_1,
                                            coli_dn_tile512_3_1, coli_dn_tile512_4_1};
-    return C == 6 ? six[R - 1] : one[R - 1];
+    return C == 8 ? coli_dn_tile512_1_8 : C == 6 ? six[R - 1] : one[R - 1];
 }
 
 static coli_dn_tile_fn coli_dn_tile256(int R, int C)
 {
+    if (C == 6)
+        return coli_dn_tile256_1_6;
     if (C == 3)
         return R == 2 ? coli_dn_tile256_2_3 : coli_dn_tile256_1_3;
     return R == 2 ? coli_dn_tile256_2_1 : coli_dn_tile256_1_1;
 }
 #endif
 
-/* Rows and outputs per tile at a level. */
-static void coli_dn_tile_shape(int lv, int *R, int *C)
+/* Rows and outputs per tile at a level for a block of nt rows.  One row (decode) takes more
+ * outputs, i.e. more independent FMA chains and W streams, and one k panel: AVX-512 8 (a
+ * 128 x 2048 router from L2 on one thread, W 16 bytes off a cache line: 14.6 -> 12.8 us; 12
+ * outputs: 19 us), AVX2 6 (64-byte aligned W: 10.4 -> 9.2 us).  From L2 the one-row product is
+ * bound by W's alignment (a 64-byte aligned W: ~8 us, numpy's sgemv 10.8); from DRAM it reads
+ * at sgemv's speed whatever the width. */
+static void coli_dn_tile_shape(int lv, coli_idx nt, int *R, int *C)
 {
     *R = lv == COLI_AVX512 ? 4 : 2;
-    *C = lv == COLI_AVX512 ? 6 : lv == COLI_AVX2 ? 3 : 4;
+    *C = lv == COLI_AVX512 ? (nt == 1 ? 8 : 6) : lv == COLI_AVX2 ? (nt == 1 ? 6 : 3) : 4;
 }
 
 /* Rows [r0, r0 + n) x columns [k0, k0 + kn) of A [.][K] into P [n][ldp], zeros up to ldp
@@ -286,60 +317,57 @@ static void coli_dn_tile(int lv, const float *x, coli_idx ldx, const float *w, c
 }
 
 /* One work block: y[t * ldy + o] for t in [t0, t1), o in [o0, o1) (t1 - t0 <= COLI_DN_TB,
- * o1 - o0 <= COLI_DN_OB), x [.][K] and W [.][K] row-major.  scratch: coli_dn_scratch_floats.
- * Per k panel, with more than one token row the block's x rows are copied into a padded buffer
- * (read once per output tile), and with more than one token tile each output tile's W rows too
- * (read once per token tile): the rows of x and W lie K floats apart, and at K = 2048 every
- * row of a tile fell into the same L1 sets (4096 x 2048 at 32 rows: 113 -> ... GFLOP/s).  The
- * zeros that pad a copied panel to whole 16-lane steps are zero products: no bit changes. */
-static void coli_dn_block(int level, const float *x, const float *W, coli_idx K, coli_idx t0,
-                          coli_idx t1, coli_idx o0, coli_idx o1, float *y, coli_idx ldy,
-                          float *scratch)
+ * o1 - o0 <= COLI_DN_OB); W [.][K] row-major, x [.][ldx]: ldx = K, or (xpad) laid out by
+ * coli_dn_lay_x.  scratch: coli_dn_scratch_floats.  With more than one token tile, each output
+ * tile's W rows are copied per k panel into a padded buffer (read once per token tile): rows K
+ * floats apart -- x's as the caller passes them, W's -- at K = 2048 put every row of a tile into
+ * the same L1 sets (4096 x 2048 on one AVX-512 thread, 32 / 512 rows: 113 / 113 GFLOP/s
+ * unpadded, 130 / 146 with x laid out once per call and W copied per tile).
+ * The zeros that pad x and the copied W to whole 16-lane steps are zero products: no bit
+ * changes. */
+static void coli_dn_block(int level, const float *x, coli_idx ldx, int xpad, const float *W,
+                          coli_idx K, coli_idx t0, coli_idx t1, coli_idx o0, coli_idx o1, float *y,
+                          coli_idx ldy, float *scratch)
 {
     int lv = coli_dn_level(level), R, C;
     coli_idx k0, o, t, nt = t1 - t0;
-    float *accs = scratch, *xp = scratch + COLI_DN_TB * COLI_DN_OB * COLI_DN_L;
-    float *wp = xp + COLI_DN_TB * COLI_DN_LDP;
-    coli_dn_tile_shape(lv, &R, &C);
-    for (k0 = 0; k0 < K || k0 == 0; k0 += COLI_DN_KC) {     /* K == 0: one empty panel, y = 0 */
-        coli_idx kn = K - k0 < COLI_DN_KC ? K - k0 : COLI_DN_KC, kp = (kn + 15) / 16 * 16;
-        int first = k0 == 0, last = k0 + kn >= K, c;
-        int pack_x = nt > 1, pack_w = nt > R;
-        if (pack_x)
-            coli_dn_pack(x, K, t0, nt, k0, kn, xp, COLI_DN_LDP);
+    float *accs = scratch, *wp = scratch ? scratch + COLI_DN_TB * COLI_DN_OB * COLI_DN_L : NULL;
+    /* one row: one panel (nothing to reuse; the lanes stay in registers) */
+    coli_idx kc = nt == 1 ? (K > 0 ? K : 1) : COLI_DN_KC;
+    coli_dn_tile_shape(lv, nt, &R, &C);
+    for (k0 = 0; k0 < K || k0 == 0; k0 += kc) {             /* K == 0: one empty panel, y = 0 */
+        coli_idx kn = K - k0 < kc ? K - k0 : kc, kp = (kn + 15) / 16 * 16;
+        int first = k0 == 0, last = k0 + kn >= K, c, pack_w = nt > R;
         for (o = o0; o < o1; o += c) {
             const float *ws = W + o * K + k0;
-            coli_idx ldw = K;
+            coli_idx ldw = K, kk = kn;
             /* the SIMD levels finish a block's last outputs one at a time */
             c = o1 - o >= C ? C : lv == COLI_AVX512 || lv == COLI_AVX2 ? 1 : (int)(o1 - o);
             if (pack_w) {
                 coli_dn_pack(W, K, o, c, k0, kn, wp, COLI_DN_LDP);
                 ws = wp;
                 ldw = COLI_DN_LDP;
+                kk = xpad ? kp : kn;
             }
             for (t = t0; t < t1; t += R) {
                 int r = t1 - t >= R ? R : (int)(t1 - t);
-                float *acc = accs + ((t - t0) * COLI_DN_OB + (o - o0)) * COLI_DN_L;
-                if (pack_x)
-                    coli_dn_tile(lv, xp + (t - t0) * COLI_DN_LDP, COLI_DN_LDP, ws, ldw,
-                                 pack_w ? kp : kn, r, c, acc, y + t * ldy + o, ldy, first, last);
-                else
-                    coli_dn_tile(lv, x + t * K + k0, K, ws, ldw, pack_w ? kp : kn, r, c, acc,
-                                 y + t * ldy + o, ldy, first, last);
+                float *acc = accs ? accs + ((t - t0) * COLI_DN_OB + (o - o0)) * COLI_DN_L : NULL;
+                coli_dn_tile(lv, x + t * ldx + k0, ldx, ws, ldw, kk, r, c, acc, y + t * ldy + o,
+                             ldy, first, last);
             }
         }
     }
 }
+
 /* y [O] = W [O][K] . x [K] on the calling thread, in the order above (the router of a decode
  * step inside a compiled block: layer_ops.h's coli_matvec_rows). */
 static void coli_dn_matvec(int level, const float *x, const float *W, coli_idx K, coli_idx O,
                            float *y)
 {
-    float lanes[COLI_DN_OB * COLI_DN_L];
     coli_idx o0;
-    for (o0 = 0; o0 < O; o0 += COLI_DN_OB)
-        coli_dn_block(level, x, W, K, 0, 1, o0, O - o0 < COLI_DN_OB ? O : o0 + COLI_DN_OB, y, O,
-                      lanes);
+    for (o0 = 0; o0 < O; o0 += COLI_DN_OB)      /* one row: no scratch (coli_dn_scratch_floats) */
+        coli_dn_block(level, x, K, 0, W, K, 0, 1, o0, O - o0 < COLI_DN_OB ? O : o0 + COLI_DN_OB, y,
+                      O, NULL);
 }
 
 /* ---- the transposed product y = x @ W (x [T][O], W [O][I]) -----------------------------------

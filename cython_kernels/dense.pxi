@@ -1,3 +1,5 @@
+from cython.parallel cimport parallel
+
 # Dense float32 products (dense.h), included by qmatmul.pyx so the binary ships one extension:
 # y = x @ W.T and y = x @ W with one summation order for every row count, thread count and SIMD
 # variant, so decode (one row) and prefill (many) of a bits-16 model give the same bits.
@@ -5,9 +7,12 @@ cdef extern from "dense.h":
     int COLI_DN_TB, COLI_DN_OB, COLI_DN_KC, COLI_DNT_IB
     size_t coli_dn_scratch_floats(coli_idx T, coli_idx K) noexcept nogil
     int coli_dn_level(int level) noexcept nogil
-    void coli_dn_block(int level, const float* x, const float* W, coli_idx K, coli_idx t0,
-                       coli_idx t1, coli_idx o0, coli_idx o1, float* y, coli_idx ldy,
-                       float* scratch) noexcept nogil
+    coli_idx coli_dn_ldx(coli_idx K) noexcept nogil
+    void coli_dn_lay_x(const float* x, coli_idx K, coli_idx t0, coli_idx t1, float* X,
+                       coli_idx ldx) noexcept nogil
+    void coli_dn_block(int level, const float* x, coli_idx ldx, int xpad, const float* W,
+                       coli_idx K, coli_idx t0, coli_idx t1, coli_idx o0, coli_idx o1, float* y,
+                       coli_idx ldy, float* scratch) noexcept nogil
     void coli_dnt_block(int level, const float* x, const float* W, coli_idx O, coli_idx I,
                         coli_idx T, coli_idx i0, coli_idx i1, float* y) noexcept nogil
 
@@ -47,33 +52,51 @@ cdef int _dense_run(const float[:, ::1] x, const float[:, ::1] W, float[:, ::1] 
                     int threads) except -1:
     cdef Py_ssize_t T = x.shape[0], K = x.shape[1], O = W.shape[0]
     cdef Py_ssize_t ntb = (T + COLI_DN_TB - 1) // COLI_DN_TB, nob = (O + COLI_DN_OB - 1) // COLI_DN_OB
-    cdef Py_ssize_t nblk = ntb * nob, b, t0, o0, per = 0
-    cdef int lv = _level, nt = _threads_for(nblk)
+    cdef Py_ssize_t nblk = ntb * nob, b, t0, o0, per, ldx = K
+    cdef int lv = _level, nt = _threads_for(nblk), xpad = 0
     cdef float* base = NULL
+    cdef float* X = NULL
+    cdef const float* xs = &x[0, 0]
     if 0 < threads < nt:
         nt = threads
-    # each thread's lanes between k panels and copied panels (dense.h; decode: little or none)
+    # each thread's lanes between k panels and W panels (dense.h; decode: little or none)
     per = _up(<Py_ssize_t>coli_dn_scratch_floats(T, K), 16) + 16
     base = <float*>_amalloc(<size_t>(nt * per) * sizeof(float))
     if base == NULL:
         raise MemoryError()
     try:
+        if T > 1:           # many rows: x laid out once, padded (coli_dn_ldx)
+            ldx = coli_dn_ldx(K)
+            X = <float*>_amalloc(<size_t>(T * ldx) * sizeof(float))
+            if X == NULL:
+                raise MemoryError()
+            xpad = 1
+            xs = X
         if nt == 1:         # no parallel region for one thread (the router, small matrices)
             with nogil:
+                if X != NULL:
+                    coli_dn_lay_x(&x[0, 0], K, 0, T, X, ldx)
                 for b in range(nblk):
                     o0 = (b // ntb) * COLI_DN_OB
                     t0 = (b % ntb) * COLI_DN_TB
-                    coli_dn_block(lv, &x[0, 0], &W[0, 0], K, t0, min(t0 + COLI_DN_TB, T), o0,
-                                  min(o0 + COLI_DN_OB, O), &y[0, 0], O, base)
+                    coli_dn_block(lv, xs, ldx, xpad, &W[0, 0], K, t0, min(t0 + COLI_DN_TB, T),
+                                  o0, min(o0 + COLI_DN_OB, O), &y[0, 0], O, base)
         else:
-            # block b: weight rows (b // ntb), token rows (b % ntb): neighbouring blocks share W
-            for b in prange(nblk, nogil=True, num_threads=nt, schedule="dynamic"):
-                o0 = (b // ntb) * COLI_DN_OB
-                t0 = (b % ntb) * COLI_DN_TB
-                coli_dn_block(lv, &x[0, 0], &W[0, 0], K, t0, min(t0 + COLI_DN_TB, T), o0,
-                              min(o0 + COLI_DN_OB, O), &y[0, 0], O,
-                              base + threadid() * per)
+            with nogil, parallel(num_threads=nt):
+                if X != NULL:
+                    for b in prange(ntb, schedule="static"):
+                        coli_dn_lay_x(&x[0, 0], K, b * COLI_DN_TB, min(b * COLI_DN_TB + COLI_DN_TB, T),
+                                      X, ldx)
+                # block b: weight rows (b // ntb), token rows (b % ntb): neighbouring blocks
+                # share W
+                for b in prange(nblk, schedule="dynamic"):
+                    o0 = (b // ntb) * COLI_DN_OB
+                    t0 = (b % ntb) * COLI_DN_TB
+                    coli_dn_block(lv, xs, ldx, xpad, &W[0, 0], K, t0, min(t0 + COLI_DN_TB, T),
+                                  o0, min(o0 + COLI_DN_OB, O), &y[0, 0], O,
+                                  base + threadid() * per)
     finally:
+        _afree(X)
         _afree(base)
     return 0
 
