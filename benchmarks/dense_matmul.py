@@ -11,6 +11,10 @@ ran up to 5x slower (the engine itself no longer calls sgemm for these products)
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/dense_matmul.py [--shapes 4096x2048,12288x2048]
                                    [--tokens 1,32,128,512] [--rounds 5] [--calls 3] [--simd NAME]
+
+--prefill DIR: instead, a whole prefill of the container DIR (``--tokens``' first count, every
+expert resident, --threads threads), alternating the dense kernel on and off (off: numpy for
+dense matrices, the old C router / sgemm for the router) round by round.
 """
 from __future__ import annotations
 
@@ -47,7 +51,10 @@ def main(argv=None) -> None:
     ap.add_argument("--pause", type=float, default=0.3,
                     help="seconds between the two kernels: after an sgemm OpenBLAS's threads keep "
                          "spinning and a 2-thread OpenMP team on the same cores waits for them")
+    ap.add_argument("--prefill", metavar="DIR", help="time Engine.prefill of this container instead")
     a = ap.parse_args(argv)
+    if a.prefill:
+        return _prefill_ab(a)
     if a.simd not in ("auto", *qm.simd_variants()):
         raise SystemExit(f"error: --simd {a.simd!r} is not one of auto, {', '.join(qm.simd_variants())}")
     qm.set_simd(a.simd)
@@ -84,6 +91,30 @@ def main(argv=None) -> None:
                   flush=True)
     qm.set_simd("auto")
     qm.set_num_threads(0)
+
+
+def _prefill_ab(a) -> None:
+    from models import open_model
+    T = int(a.tokens.split(",")[0])
+    engine = open_model(a.prefill, threads=a.threads)
+    ids = (np.arange(T) * 7919 % 1000 + 10).tolist()
+    dense = kernels._dense_compiled
+    took = {"dense": [], "off": []}
+    try:
+        for rnd in range(a.rounds):
+            for name in (("dense", "off") if rnd % 2 == 0 else ("off", "dense")):
+                kernels._dense_compiled = dense if name == "dense" else (lambda: False)
+                time.sleep(a.pause)
+                cache = engine.new_cache()
+                t0 = time.perf_counter()
+                engine.prefill(ids, cache)
+                took[name].append(time.perf_counter() - t0)
+                engine.recycle_cache(cache)
+    finally:
+        kernels._dense_compiled = dense
+    print(f"prefill of {T} tokens, {a.threads} threads, {a.prefill}:")
+    for name, ts in took.items():
+        print(f"  {name:6s} best {min(ts):.3f} s, median {sorted(ts)[len(ts) // 2]:.3f} s")
 
 
 if __name__ == "__main__":
