@@ -115,7 +115,8 @@ extensions = cythonize(
                                                        "cython_kernels/mla_block.h", "cython_kernels/mla_ops.pxi",
                                                        "cython_kernels/linear_attention.h", "cython_kernels/linear_ops.pxi",
                                                        "cython_kernels/kda_block.h", "cython_kernels/kda_ops.pxi",
-                                                       "cython_kernels/prefill.h", "cython_kernels/prefill.pxi"])],
+                                                       "cython_kernels/prefill.h", "cython_kernels/prefill.pxi",
+                                                       "cython_kernels/dense.h", "cython_kernels/dense.pxi"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
 )
 

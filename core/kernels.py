@@ -114,10 +114,24 @@ def _dequantized(w: Weight) -> np.ndarray:
                                    out=buf[:n].reshape(w.shape), threads=1)
 
 
+def _dense_compiled() -> bool:
+    """Whether dense float32 products (bits-16 weights, routers) run in the compiled row-invariant
+    kernel (cython_kernels/dense.h): y[t, o] summed in 16 fused multiply-add lanes over k and a
+    fixed tree, the same bits for one row and many, any thread count and every SIMD variant, so
+    a bits-16 model's decode gives the bits of its prefill (numpy sends one row to sgemv and many
+    to sgemm, which sum in other orders: ~1e-4 of the logits apart on the Qwen3.5 fixtures). On
+    x86 without hardware FMA (the portable variant: fmaf is a library call) numpy runs instead,
+    as the int4 prefill GEMM does. The choice depends on the CPU, never on placement."""
+    return (_compiled is not None and hasattr(_compiled, "dense_matmul")
+            and _compiled.dense_level() != "portable")
+
+
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """y = x @ W.T for x float32 [T, I]; returns float32 [T, O]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if w.scheme == "dense":
+        if _dense_compiled():
+            return _compiled.dense_matmul(x, w.data)
         return x @ w.data.T
     if w.scheme == "int4":
         cols = w.shape[1]
@@ -423,7 +437,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.flo
 ATTENTION_QUERY_BLOCK = 256
 
 
-# Router logits of fewer rows than this (decode, short prompts) are computed in C on the calling
+# Router logits of fewer rows than this (decode, short prompts) are computed on the calling
 # thread: OpenBLAS threads a [16, 2048] x [2048, 64] product, and its workers keep spinning
 # afterwards while the experts' OpenMP region needs the cores (a 16-token prefill of the OLMoE
 # geometry took 1.2 s instead of 0.8). The route depends on the row count only.
@@ -431,7 +445,12 @@ ROUTER_C_ROWS = 32
 
 
 def router_logits(h: np.ndarray, router: np.ndarray) -> np.ndarray:
-    """h [T, H] @ router.T (float32 [E, H]); see ROUTER_C_ROWS."""
+    """h [T, H] @ router.T (float32 [E, H]): the row-invariant dense kernel at every row count
+    (one thread below ROUTER_C_ROWS; the compiled attention block's router has its bits), so
+    decode and prefill route from the same logits; on the portable variant (see _dense_compiled)
+    the C dot products below ROUTER_C_ROWS and numpy above."""
+    if _dense_compiled():
+        return _compiled.dense_matmul(h, router, threads=1 if h.shape[0] < ROUTER_C_ROWS else 0)
     if _compiled is not None and h.shape[0] < ROUTER_C_ROWS:
         return _compiled.router_logits(np.ascontiguousarray(h, dtype=np.float32),
                                        np.ascontiguousarray(router, dtype=np.float32))
@@ -466,9 +485,13 @@ def matmul_t(x: np.ndarray, w: Weight) -> np.ndarray:
     """y = x @ W for x float32 [T, O] and W [O, I] (the transposed product of ``matmul``);
     returns float32 [T, I]. Compiled int4 / int8 (the same bits for every SIMD variant and thread
     count: each column sums its O terms in order); from SGEMM_MIN_ROWS rows an int4 W is
-    dequantized and handed to sgemm, as matmul does; dense and the numpy path: x @ dequant(W)."""
+    dequantized and handed to sgemm, as matmul does; dense: the compiled kernel (one fused
+    multiply-add chain per column over O in order, the same bits at every row count; see
+    _dense_compiled), else x @ W; the numpy path: x @ dequant(W)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if w.scheme == "dense":
+        if _dense_compiled():
+            return _compiled.dense_matmul_t(x, w.data)
         return x @ np.asarray(w.data, dtype=np.float32)
     if w.scheme == "int4":
         if _compiled is not None and not _sgemm_rows(x.shape[0]):

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "qkern.h"      /* coli_idx, COLI_X86 / COLI_T_AVX2, the level numbers */
+#include "dense.h"      /* coli_dn_matvec: the router's order */
 #if COLI_X86
 #include <cpuid.h>
 #endif
@@ -151,14 +152,22 @@ static int coli_ops_avx2(int level, coli_ix D)
 #endif
 }
 
-/* Router logits for T rows (small T; larger batches use sgemm): out [T][E] = x [T][D] . W[e]. */
+/* Router logits for T rows on the calling thread: out [T][E] = x [T][D] . W[e].  Where the dense
+ * kernel runs (dense.h: AVX2, AVX-512, NEON) its order, row by row: the bits of
+ * core.kernels.router_logits at every row count (dense_matmul is row-invariant), so a compiled
+ * decode block's router and prefill's agree.  The portable variant (x86 without FMA, where
+ * core.kernels routes many rows to numpy) keeps coli_dot's order. */
 static void coli_matvec_rows(const float *x, const float *W, float *out, coli_ix T, coli_ix E,
                              coli_ix D, int level)
 {
     coli_ix t;
     int avx2 = coli_ops_avx2(level, D);
-    for (t = 0; t < T; t++)
-        coli_dots(x + t * D, W, E, D, out + t * E, avx2);
+    for (t = 0; t < T; t++) {
+        if (coli_dn_level(level) != COLI_PORTABLE)
+            coli_dn_matvec(level, x + t * D, W, D, E, out + t * E);
+        else
+            coli_dots(x + t * D, W, E, D, out + t * E, avx2);
+    }
 }
 
 /* y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) for rows r of n elements (the sum of squares in

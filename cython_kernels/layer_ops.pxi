@@ -132,7 +132,8 @@ def f32_to_f16(const float[::1] x):
 def router_logits(const float[:, ::1] x, const float[:, ::1] W):
     """x [T, D] @ W.T for a float32 router W [E, D], on the calling thread (for the few rows of
     decode and short prompts, where a multi-threaded sgemm's spinning workers would slow the
-    OpenMP regions that follow). Returns [T, E]."""
+    OpenMP regions that follow), in the attention block's router order (layer_ops.h's
+    coli_matvec_rows: dense_matmul's bits where the dense kernel runs). Returns [T, E]."""
     cdef Py_ssize_t T = x.shape[0], D = x.shape[1], E = W.shape[0]
     if W.shape[1] != D:
         raise ValueError(f"router_logits: x has {D} columns, W has {W.shape[1]}")

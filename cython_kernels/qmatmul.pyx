@@ -756,6 +756,7 @@ include "mla_ops.pxi"
 include "linear_ops.pxi"
 include "kda_ops.pxi"
 include "prefill.pxi"
+include "dense.pxi"
 
 
 # --- positioned reads without the GIL, on every OS (fileio.h; core.fileio picks it where Python's

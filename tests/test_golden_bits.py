@@ -8,8 +8,8 @@ mode (the fused decode attention block on and off, the float16 KV cache, int8 ac
 combinations), it hashes
 
 * ``logits``: teacher-forced logits over 32 ids (one batched pass: the prefill path -- the
-  prefill GEMM for int4, sgemm otherwise -- for the dense matrices, the int4/int8 loops for the
-  experts);
+  prefill GEMM for int4, the dense kernel for float32, sgemm on the portable variant and the
+  numpy kernels -- for the dense matrices, the int4/int8 loops for the experts);
 * ``decode``: the logits of a 6-id prompt's prefill and 7 incremental steps fed their argmax
   (the one-position decode paths, the KV cache);
 * ``generate``: the ids (and, for the demo model, the text) of ``engine.generate`` with greedy

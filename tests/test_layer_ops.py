@@ -151,28 +151,41 @@ def test_attention_rejects_mismatched_shapes():
 
 @pytest.mark.parametrize("T,E,D", [(1, 64, 2048), (7, 32, 256), (31, 5, 12), (3, 128, 9)])
 def test_router_logits_match_numpy_with_the_same_bits_in_every_variant(T, E, D):
+    """Every variant that runs the dense kernel (dense.h: AVX2, AVX-512, NEON) gives its bits; the
+    portable one (x86 without FMA) its own dot products; all close to numpy."""
     rng = np.random.default_rng(T + E + D)
     h = rng.standard_normal((T, D)).astype(np.float32)
     W = rng.standard_normal((E, D)).astype(np.float32)
     want = h @ W.T
-    outs = []
+    outs = {}
     for variant in qm.simd_variants():
         qm.set_simd(variant)
         got = kernels.router_logits(h, W)
         assert got.shape == (T, E) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(D))
-        outs.append(got)
-    for got in outs[1:]:
-        np.testing.assert_array_equal(got, outs[0])
+        np.testing.assert_array_equal(qm.router_logits(h, W), got)      # the attention block's
+        outs.setdefault(qm.dense_level() != "portable", []).append(got)
+    for same in outs.values():
+        for got in same[1:]:
+            np.testing.assert_array_equal(got, same[0])
     with pytest.raises(ValueError):
         qm.router_logits(h, W[:, :-1].copy())
 
 
-def test_router_logits_of_many_rows_go_through_sgemm():
+def test_router_logits_of_many_rows_have_the_bits_of_one():
+    """Many rows (prefill) route from the logits one row (decode) gets: the dense kernel at every
+    row count where it runs; on the portable variant numpy's sgemm above ROUTER_C_ROWS."""
     rng = np.random.default_rng(9)
     h = rng.standard_normal((40, 16)).astype(np.float32)
     W = rng.standard_normal((8, 16)).astype(np.float32)
-    np.testing.assert_array_equal(kernels.router_logits(h, W), h @ W.T)
+    for variant in qm.simd_variants():
+        qm.set_simd(variant)
+        many = kernels.router_logits(h, W)
+        if kernels._dense_compiled():
+            np.testing.assert_array_equal(many, np.concatenate([kernels.router_logits(h[t: t + 1], W)
+                                                                for t in range(40)]))
+        else:
+            np.testing.assert_array_equal(many, h @ W.T)
 
 
 @pytest.mark.parametrize("norm", [False, True])

@@ -202,19 +202,23 @@ def test_decode_through_the_recurrent_state_equals_prefill(name, containers):
     full = engine.logits(ids)
     cache = engine.new_cache()
     step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
-    # Not 1e-4: the linear layers' core (compiled gdn_block, prefill and decode alike) is
-    # token-serial, and with every product one row at a time the two are the same bits (the test
-    # below); what differs is float32 rounding of the products between one row (sgemv, the C
-    # router, attend_one, swiglu_one + rank_sum) and many (sgemm, numpy's batched attention, the
-    # stacked experts). Measured (2-core x86-64 VM, OpenBLAS, bits 16): a 1.27e-4 at position 29,
-    # b 4.9e-5 (an earlier build: a 5.6e-5, b 1.4e-4: the figure follows the BLAS's blocking).
-    # Per piece, everything else one row at a time, on a: the linear-attn projections many-row
-    # 1.34e-4 (in_proj_qkv alone 4.1e-5, z 4.4e-5, b 3.2e-5, out_proj 1.4e-5, a 4.8e-6); all
-    # products but those many-row 3.8e-5; so no one piece, and nothing in the core. Giving
-    # prefill decode's products costs it: Qwen3.6's in_proj_* at 512 rows (int4) 676 ms as one
-    # sgemm, 2204 ms through the row-invariant q4_matmul. transformers itself on these fixtures
-    # (chunked rule in prefill, recurrent in decode, torch float32): 6.0e-5 (a), 5.8e-5 (b)
-    assert np.abs(np.stack(step) - full[4:]).max() <= 2e-4
+    # The linear layers' core (compiled gdn_block, prefill and decode alike) is token-serial, and
+    # with every product one row at a time the two are the same bits (the tests below); what
+    # differs is float32 rounding of products between one row and many. Since the dense kernel
+    # (cython_kernels/dense.h: one summation order for one row and many) computes the bits-16
+    # matrices and the router, only attention is left: the compiled attend_one for one row,
+    # numpy's batched scores / softmax for many (with attention too one row at a time the logits
+    # are the same bits: test_decode_equals_prefill_bit_for_bit_with_one_row_attention).
+    # Measured (2-core x86-64 VM, AVX-512, bits 16): a 2.4e-6, b 1.3e-5 (kimilinear-a 9.3e-6, -b
+    # 3.3e-6). Before it, through numpy's sgemv (one row) / sgemm (many): a 1.27e-4 at position 29,
+    # b 5.4e-5, of which the linear-attn projections many-row 1.34e-4 on their own (in_proj_qkv
+    # 4.1e-5, z 4.4e-5, b 3.2e-5, out_proj 1.4e-5, a 4.8e-6) and all other products 3.8e-5 --
+    # the figure followed the BLAS's blocking, and still does where the dense kernel does not run
+    # (the portable variant on x86, COLI_KERNELS=numpy): 2e-4 there. transformers itself on these
+    # fixtures (chunked rule in prefill, recurrent in decode, torch float32): 6.0e-5 (a), 5.8e-5 (b)
+    from core import kernels
+    bound = 1e-4 if kernels._dense_compiled() else 2e-4
+    assert np.abs(np.stack(step) - full[4:]).max() <= bound
     assert {cache.folded[i] for i, fixed in enumerate(cache.state) if fixed} == {len(ids)}
     chunked = engine.new_cache()
     parts = [engine.forward(ids[a:b], chunked, all_logits=True) for a, b in ((0, 7), (7, 20), (20, 32))]
@@ -254,6 +258,31 @@ def test_decode_equals_prefill_bit_for_bit_with_one_row_products(name, container
     monkeypatch.setattr(kernels, "router_logits", lambda h, w: per_row(router, h, w))
     monkeypatch.setattr(kernels, "attention", attention_per_row)
     monkeypatch.setattr(mlp.MoEBlock, "__call__", moe_per_row)
+    engine = open_model(containers(name, 16))
+    ids = _ids(name)
+    full = engine.logits(ids)
+    cache = engine.new_cache()
+    step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
+    np.testing.assert_array_equal(np.stack(step), full[4:])
+
+
+@pytest.mark.parametrize("name", [TEXT, COMPOSITE])
+def test_decode_equals_prefill_bit_for_bit_with_one_row_attention(name, containers, monkeypatch):
+    """With the dense kernel (bits-16 matrices, the router: the same bits for one row and many),
+    only prefill's attention needs to run one row at a time for prefill and decode to be the same
+    bits: no other product of the model depends on the row count."""
+    from core import kernels
+    if not kernels._dense_compiled():
+        pytest.skip("the dense kernel does not run here (portable x86 / numpy: sgemv vs sgemm)")
+    attention = kernels.attention
+
+    def attention_per_row(q, keys, values, scale, pos, window, allowed=None):
+        if q.shape[0] == 1 or allowed is not None:
+            return attention(q, keys, values, scale, pos, window, allowed)
+        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale, pos[t: t + 1],
+                                         window) for t, p in enumerate(pos.tolist())])
+
+    monkeypatch.setattr(kernels, "attention", attention_per_row)
     engine = open_model(containers(name, 16))
     ids = _ids(name)
     full = engine.logits(ids)
