@@ -262,6 +262,9 @@ def child_app_ui(a, ids: list[int], sampling: str) -> dict:
     from colibri_tui.settings import Sampling, Settings
 
     model = app_model(a.model, Path(os.environ["COLI_DATA_DIR"]))
+    # a fresh data folder each run (history, saved chat caches): the chat list a run lays out and
+    # the cache it restores must not grow with the runs before it
+    os.environ["COLI_DATA_DIR"] = tempfile.mkdtemp(prefix="app-ui-", dir=os.environ["COLI_DATA_DIR"])
     s = Settings(sampling=Sampling(temperature=0.0 if sampling == "greedy" else 0.7, seed=a.seed,
                                    max_new_tokens=a.tokens))
     opts = {"threads": a.threads} if a.threads else {}

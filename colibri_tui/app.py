@@ -54,7 +54,7 @@ class Generation:
     detached: bool = False       # stopped by Esc before any text: the UI is done with it
     holding: bool = False        # its thread holds the engine lock (the app's server waits)
     think_open: bool = False     # the prompt ended inside a think block: the reply starts thinking
-    panel_at: float = float("-inf")  # when the tier panel last took one of its batches
+    panel_at: float = field(default_factory=time.monotonic)   # when the tier panel last took a batch
     paint: PaintBudget = field(default_factory=PaintBudget)   # when the next batch may come
 
     def __post_init__(self):
@@ -175,9 +175,10 @@ class ColiApp(App):
     TITLE = "colibrì"
     COMMANDS = App.COMMANDS
     # While a reply streams, the tier panel (stats, sparkline, brain map) repaints at most this
-    # often, and always with the reply's last batch: each repaint costs the UI thread ~15 ms of
-    # CPU on the cores the kernel threads decode on (benchmarks/README.md, "The speed users see").
-    PANEL_INTERVAL = 1.0
+    # often from the send on, and always with the reply's last batch: each repaint costs the UI
+    # thread 5-10 ms of CPU on the cores the kernel threads decode on (benchmarks/README.md,
+    # "The speed users see"); a reply shorter than this shows its stats at its end.
+    PANEL_INTERVAL = 2.0
 
     def __init__(self, model_path: str | os.PathLike | None = None, settings: Settings | None = None,
                  history_path: str | os.PathLike | None = None, engine_options: dict | None = None,

@@ -3,12 +3,13 @@
 While a reply streams, the UI thread lays out and repaints on the cores the kernel threads decode
 on, and holds the GIL that the engine's own Python needs between kernels: each millisecond of
 painting is about a millisecond the decode loses (benchmarks/README.md, "The speed users see":
-the real app at 0.83 of the benchmark when it painted every 0.15 s, ~20 ms of CPU a batch on the
-2-core VM). So the app paints at most ``share`` of the time: after each batch it measures the
-CPU its thread spent since the previous one (the frames that batch caused included) and lets the
-next batch come only once that is ``share`` of the time between them. A cheap paint (a fast
-machine, a short chat) keeps the worker's own cadence; a costly one (a slow machine, a long chat,
-a big terminal) streams in bigger steps, never further apart than ``longest``."""
+the real app at 0.73 of the benchmark when it painted every 0.15 s, 15-20 ms of CPU a batch on
+the 2-core VM). So the app paints at most ``share`` of the time: the CPU its thread has spent
+since the reply was sent (the send itself, every batch and the frames they caused) may be at most
+``share`` of the time since then, and the next batch waits until it is -- never longer than
+``longest``. A cheap paint (a fast machine, a short chat) keeps the worker's own cadence; a costly
+one (a slow machine, a long chat, a big terminal) streams in bigger steps; a long prefill, during
+which nothing paints, leaves room for the first batches to come at once."""
 from __future__ import annotations
 
 import time
@@ -16,7 +17,9 @@ from typing import Callable
 
 
 class PaintBudget:
-    SHARE = 0.025       # of the wall time, for the UI thread's CPU while a reply streams
+    """Create it and call ``applied`` on the UI thread (the thread whose CPU time is counted);
+    ``due`` may be asked from any thread."""
+    SHARE = 0.025       # of the wall time since the send, for the UI thread's CPU
     LONGEST = 1.0       # s: the longest wait for the next batch, whatever a paint costs
 
     def __init__(self, share: float | None = None, longest: float | None = None,
@@ -24,17 +27,14 @@ class PaintBudget:
         self.share = self.SHARE if share is None else share
         self.longest = self.LONGEST if longest is None else longest
         self.clock, self.cpu = clock, cpu
+        self._start, self._cpu0 = clock(), cpu()
         self.next_at = float("-inf")     # no batch before this (clock time)
-        self._cpu_at: float | None = None
 
     def applied(self) -> None:
-        """A batch was applied (call it on the UI thread, the one whose CPU is measured)."""
-        now, cpu = self.clock(), self.cpu()
-        if self._cpu_at is not None:
-            spent = max(0.0, cpu - self._cpu_at)
-            self.next_at = now + min(self.longest, spent / self.share)
-        self._cpu_at = cpu
+        """A batch was applied: the next may come once the UI's CPU since the start is share of
+        the time since the start (at most longest from now)."""
+        now, spent = self.clock(), max(0.0, self.cpu() - self._cpu0)
+        self.next_at = min(now + self.longest, self._start + spent / self.share)
 
     def due(self) -> bool:
-        """Whether the next batch may come (any thread)."""
         return self.clock() >= self.next_at

@@ -447,14 +447,17 @@ def test_select_and_copy_any_message_or_code_block(container, dirs):
 @pytest.mark.parametrize("interval,all_batches", [(0.0, True), (1e9, False)])
 def test_the_tier_panel_repaints_at_most_every_interval_and_with_the_last_batch(container, dirs, monkeypatch,
                                                                                interval, all_batches):
-    """While a reply streams the tier panel takes a batch at most every PANEL_INTERVAL (its
-    repaint costs the UI thread CPU the kernel threads need), and always the final one."""
+    """While a reply streams the tier panel takes a batch at most every PANEL_INTERVAL from the
+    send on (its repaint costs the UI thread CPU the kernel threads need), and always the final one."""
     from colibri_tui.app import ColiApp
     from colibri_tui.tierpanel import TierPanel
     from colibri_tui import runner
     monkeypatch.setattr(ColiApp, "PANEL_INTERVAL", interval)
-    # a batch as soon as the UI took the last one: many batches from the small test model
+    # a batch as soon as the UI took the last one, no paint budget: many batches from the small
+    # test model
     monkeypatch.setattr(runner, "run_generation", functools.partial(runner.run_generation, interval=0.0))
+    from colibri_tui.pacing import PaintBudget
+    monkeypatch.setattr(PaintBudget, "SHARE", 1e9)
     pushed = []
     orig_push = TierPanel.push
 
@@ -476,8 +479,8 @@ def test_the_tier_panel_repaints_at_most_every_interval_and_with_the_last_batch(
             assert len(batches) >= 3
             if all_batches:
                 assert len(pushed) == len(batches)
-            else:                                   # the first batch, then only the final one
-                assert len(pushed) == 2
+            else:                                   # the interval counts from the send: the final only
+                assert len(pushed) == 1
             assert pushed[-1] == batches[-1]["stats"]
             assert app.query_one(TierPanel).last["new_tokens"] == batches[-1]["stats"]["new_tokens"]
     asyncio.run(run())
@@ -487,19 +490,23 @@ def test_the_paint_budget_spaces_batches_by_the_ui_threads_cpu():
     from colibri_tui.pacing import PaintBudget
     now, cpu = [100.0], [5.0]
     b = PaintBudget(share=0.02, longest=0.5, clock=lambda: now[0], cpu=lambda: cpu[0])
-    assert b.due()
-    b.applied()                        # the first batch: nothing measured yet
-    assert b.due()
-    now[0], cpu[0] = 100.3, 5.004      # 4 ms of painting since: the next no sooner than 0.2 s
+    assert b.due()                     # the send: nothing painted yet
+    now[0], cpu[0] = 100.1, 5.001      # the first batch after 0.1 s of prefill, 1 ms of UI work
     b.applied()
-    assert b.next_at == pytest.approx(100.5)
-    now[0] = 100.49
+    assert b.next_at == pytest.approx(100.05) and b.due()      # within budget: at once
+    now[0], cpu[0] = 100.2, 5.005      # 5 ms spent since the send: no batch before 100.25
+    b.applied()
+    assert b.next_at == pytest.approx(100.25)
+    now[0] = 100.24
     assert not b.due()
-    now[0] = 100.5
+    now[0] = 100.25
     assert b.due()
-    now[0], cpu[0] = 101.0, 5.104      # 100 ms of painting: capped at the longest wait
+    now[0], cpu[0] = 100.3, 5.105      # 105 ms spent: 5.25 s of budget, but at most 0.5 s from now
     b.applied()
-    assert b.next_at == pytest.approx(101.5)
+    assert b.next_at == pytest.approx(100.8)
+    now[0], cpu[0] = 110.0, 5.105      # a long quiet spell (a tool call, a slow disk) builds credit
+    b.applied()
+    assert b.due()
 
 
 def test_a_streaming_reply_waits_for_the_paint_budget(container, dirs, monkeypatch):
@@ -526,10 +533,11 @@ def test_a_streaming_reply_waits_for_the_paint_budget(container, dirs, monkeypat
             assert app.prompt_input.cursor_blink
             await type_and_send(pilot, "hello world")
             await wait_for(pilot, lambda: app.gen is None and batches and batches[-1]["final"], timeout=60)
-            # the first batch (nothing measured), the second (measured: wait 60 s), the final one
-            assert len(batches) == 3 and batches[-1]["stats"]["new_tokens"] == 200
+            # the first batch (the send's painting already over budget: the next waits 60 s),
+            # then only the final one
+            assert len(batches) == 2 and batches[-1]["stats"]["new_tokens"] == 200
             assert sum(b["tokens"] for b in batches) == 200
-            assert blink == [False] * 3 and app.prompt_input.cursor_blink
+            assert blink == [False] * 2 and app.prompt_input.cursor_blink
     asyncio.run(run())
 
 
