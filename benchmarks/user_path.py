@@ -289,7 +289,7 @@ def child_app_ui(a, ids: list[int], sampling: str) -> dict:
             cpu0, wall0 = time.thread_time(), time.monotonic()     # this thread is the UI's
             await pilot.press("enter")
             while not (batches and batches[-1]["final"]) and time.monotonic() - t0 < 600:
-                await pilot.pause(0.05)
+                await asyncio.sleep(0.2)     # not pilot.pause: it runs a frame each time, the app does not
             out["ui_cpu_s"], out["reply_s"] = time.thread_time() - cpu0, time.monotonic() - wall0
         st = batches[-1]["stats"] if batches else None
         out.update(st or {}, batches=len(batches), error=batches[-1]["error"] if batches else "no reply")
