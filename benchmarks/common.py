@@ -310,3 +310,11 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """ROWSxCOLS (a --shapes item) as (rows, cols); one clear line otherwise."""
+    o, _, i = text.partition("x")
+    if not (o.isdigit() and i.isdigit()):
+        raise SystemExit(f"error: a shape is ROWSxCOLS, got {text!r}")
+    return int(o), int(i)

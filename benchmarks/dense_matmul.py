@@ -27,16 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import format_summary, machine_summary  # noqa: E402
+from benchmarks.common import format_summary, machine_summary, parse_shape  # noqa: E402
 from core import kernels  # noqa: E402,F401  (sets the OpenMP spin the engine runs with)
 from cython_kernels import qmatmul as qm  # noqa: E402
-
-
-def _shape(text: str) -> tuple[int, int]:
-    o, _, i = text.partition("x")
-    if not (o.isdigit() and i.isdigit()):
-        raise SystemExit(f"error: a shape is ROWSxCOLS, got {text!r}")
-    return int(o), int(i)
 
 
 def main(argv=None) -> None:
@@ -59,7 +52,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: --simd {a.simd!r} is not one of auto, {', '.join(qm.simd_variants())}")
     qm.set_simd(a.simd)
     qm.set_num_threads(a.threads)
-    shapes = [_shape(s) for s in a.shapes.split(",")]
+    shapes = [parse_shape(s) for s in a.shapes.split(",")]
     tokens = [int(t) for t in a.tokens.split(",")]
     print("machine:")
     print(format_summary(machine_summary()))

@@ -24,15 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # noqa: E402
+from benchmarks.common import format_summary, machine_summary, parse_shape, ram_read_gbps  # noqa: E402
 from cython_kernels import qmatmul as qm  # noqa: E402
-
-
-def _shape(text: str) -> tuple[int, int]:
-    o, _, i = text.partition("x")
-    if not (o.isdigit() and i.isdigit()):
-        raise SystemExit(f"error: a shape is ROWSxCOLS, got {text!r}")
-    return int(o), int(i)
 
 
 def main(argv=None) -> None:
@@ -51,7 +44,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: --simd {a.simd!r} is not one of auto, {', '.join(qm.simd_variants())}")
     qm.set_simd(a.simd)
     toggle = qm._set_q8_multirow if a.kind == "int8" else qm._set_q4_multirow
-    shapes = [_shape(s) for s in a.shapes.split(",")]
+    shapes = [parse_shape(s) for s in a.shapes.split(",")]
     threads = [int(t) for t in a.threads.split(",")]
     print("machine:")
     print(format_summary(machine_summary()))

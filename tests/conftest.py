@@ -319,3 +319,71 @@ def assert_block_has_the_bits_of_its_steps(m, x, base, block, qm):
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=1e-5)
     for part in base:
         np.testing.assert_allclose(s_block[part], s_numpy[part], atol=2e-5, rtol=1e-5)
+
+
+def simde_include():
+    """The directory holding simde/ (x86 and arm headers): $SIMDE_INCLUDE, the simde-py package of
+    the test extra (pip, no system packages needed), then the usual system locations."""
+    import os
+    dirs = [os.environ.get("SIMDE_INCLUDE", "")]
+    try:
+        import simde_py
+        dirs.append(simde_py.get_include())
+    except Exception:   # not installed (or a broken install): the system headers, if any
+        pass
+    dirs += ["/usr/include", "/usr/local/include", "/opt/homebrew/include"]
+    for d in dirs:
+        if d and all(os.path.exists(os.path.join(d, "simde", *p))
+                     for p in (("x86", "avx512.h"), ("arm", "neon.h"))):
+            return d
+    return None
+
+
+def run_emulated(tmp_path: Path, source: str, flags: tuple[str, ...] = ()) -> None:
+    """Build a C program over cython_kernels' headers with SIMDe standing in for AVX2 / AVX-512 /
+    NEON (-DCOLI_SIMDE_TEST), run it, and require it to print OK. Under AddressSanitizer where
+    the toolchain has it (-O0: a quick build): a kernel reading past a row's last byte gives the
+    right numbers (x is zero there), so only a sanitizer sees it. Skips without a gcc/clang-style
+    compiler or the SIMDe headers."""
+    import os
+    import shutil
+    import subprocess
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    inc = simde_include()
+    if sys.platform == "win32":
+        pytest.skip("the emulated-variant harness is built with a gcc/clang-style C compiler")
+    if cc is None:
+        pytest.skip("no C compiler (cc / gcc / clang) on PATH")
+    if inc is None:
+        pytest.skip("no SIMDe headers (pip install simde-py, or libsimde-dev; or set SIMDE_INCLUDE)")
+    kdir = str(Path(__file__).resolve().parents[1] / "cython_kernels")
+    src, exe = tmp_path / "emu.c", tmp_path / "emu"
+    src.write_text(source)
+    cmd = [cc, "-O1", *flags, "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o", str(exe), "-lm"]
+    r = subprocess.run(cmd[:1] + ["-O0", "-fsanitize=address"] + cmd[2:], capture_output=True, text=True)
+    if r.returncode != 0:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def attention_one_row_at_a_time(attention):
+    """``kernels.attention`` whose many-row calls run one query row at a time, each over the
+    positions it may see, as decode computes them (one-row and masked calls unchanged): with it
+    prefill's attention has decode's bits."""
+    def per_row(q, keys, values, scale, pos, window, allowed=None):
+        if q.shape[0] == 1 or allowed is not None:
+            return attention(q, keys, values, scale, pos, window, allowed)
+        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale,
+                                         pos[t: t + 1], window) for t, p in enumerate(pos.tolist())])
+    return per_row
+
+
+def decode_and_prefill(engine, ids: list[int], first: int = 5):
+    """The logits of positions first-1.. as decode gives them (a prefill of the first ``first``
+    ids, then one id a step) and as one prefill of all the ids gives them."""
+    cache = engine.new_cache()
+    step = [engine.forward(ids[:first], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[first:]]
+    return np.stack(step), engine.logits(ids)[first - 1:]

@@ -10,6 +10,7 @@ import pytest
 
 from core import kernels
 from core.container import Weight
+from tests.conftest import attention_one_row_at_a_time, decode_and_prefill, run_emulated
 
 qm = pytest.importorskip("cython_kernels.qmatmul")
 if not hasattr(qm, "dense_matmul"):
@@ -152,21 +153,10 @@ def test_bits16_decode_equals_prefill_with_one_row_attention(name, fixture_root,
     matrix product (dense_matmul / dense_matmul_t) and the router give one row the bits it gets
     among many."""
     from models import open_model
-    attention = kernels.attention
-
-    def attention_per_row(q, keys, values, scale, pos, window, allowed=None):
-        if q.shape[0] == 1 or allowed is not None:
-            return attention(q, keys, values, scale, pos, window, allowed)
-        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale,
-                                         pos[t: t + 1], window) for t, p in enumerate(pos.tolist())])
-
-    monkeypatch.setattr(kernels, "attention", attention_per_row)
+    monkeypatch.setattr(kernels, "attention", attention_one_row_at_a_time(kernels.attention))
     engine = open_model(containers(name, 16))
-    ids = np.load(fixture_root / name / "reference.npz")["ids"].tolist()
-    full = engine.logits(ids)
-    cache = engine.new_cache()
-    step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
-    np.testing.assert_array_equal(np.stack(step), full[4:])
+    decoded, prefilled = decode_and_prefill(engine, np.load(fixture_root / name / "reference.npz")["ids"].tolist())
+    np.testing.assert_array_equal(decoded, prefilled)
 
 
 # the AVX2 / AVX-512 loops (and NEON's portable ones) through SIMDe's emulation, for machines that
@@ -288,26 +278,6 @@ int main(void)
 
 
 def test_dense_variants_emulated(tmp_path):
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from tests.test_kernels import _simde_include
+    run_emulated(tmp_path, _EMU_DENSE, flags=("-ffp-contract=off",))    # as setup.py builds the extension
 
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    inc = _simde_include()
-    if sys.platform == "win32" or cc is None or inc is None:
-        pytest.skip("needs a gcc/clang-style C compiler and the SIMDe headers")
-    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cython_kernels")
-    src = tmp_path / "emu.c"
-    src.write_text(_EMU_DENSE)
-    exe = tmp_path / "emu"
-    cmd = [cc, "-O1", "-ffp-contract=off", "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o",
-           str(exe), "-lm"]      # -ffp-contract=off: as setup.py builds the extension
-    r = subprocess.run(cmd[:1] + ["-O0", "-fsanitize=address"] + cmd[2:], capture_output=True, text=True)
-    if r.returncode != 0:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-2000:]
+

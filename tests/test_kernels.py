@@ -11,6 +11,7 @@ from core.quant import (
     quantize_int4,
     quantize_int8,
 )
+from tests.conftest import run_emulated
 
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 
@@ -555,53 +556,8 @@ int main(void)
 """
 
 
-def _simde_include():
-    """The directory holding simde/ (x86 and arm headers): $SIMDE_INCLUDE, the simde-py package of
-    the test extra (pip, no system packages needed), then the usual system locations."""
-    import os
-    dirs = [os.environ.get("SIMDE_INCLUDE", "")]
-    try:
-        import simde_py
-        dirs.append(simde_py.get_include())
-    except Exception:   # not installed (or a broken install): the system headers, if any
-        pass
-    dirs += ["/usr/include", "/usr/local/include", "/opt/homebrew/include"]
-    for d in dirs:
-        if d and all(os.path.exists(os.path.join(d, "simde", *p))
-                     for p in (("x86", "avx512.h"), ("arm", "neon.h"))):
-            return d
-    return None
-
-
 def test_simd_variants_emulated(tmp_path):
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    inc = _simde_include()
-    if sys.platform == "win32":
-        pytest.skip("the emulated-variant harness is built with a gcc/clang-style C compiler")
-    if cc is None:
-        pytest.skip("no C compiler (cc / gcc / clang) on PATH")
-    if inc is None:
-        pytest.skip("no SIMDe headers (pip install simde-py, or libsimde-dev; or set SIMDE_INCLUDE)")
-    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cython_kernels")
-    src = tmp_path / "emu.c"
-    src.write_text(_EMU_SRC)
-    exe = tmp_path / "emu"
-    cmd = [cc, "-O1", "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o", str(exe), "-lm"]
-    # with AddressSanitizer where the toolchain has it (-O0: a quick build): a kernel reading past
-    # a row's last byte gives the right numbers (x is zero there), so only a sanitizer sees it
-    r = subprocess.run(cmd[:1] + ["-O0", "-fsanitize=address"] + cmd[2:], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0")
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-2000:]
+    run_emulated(tmp_path, _EMU_SRC)
 
 
 # --- opt-in int8 activations -----------------------------------------------------------------------

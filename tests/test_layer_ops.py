@@ -13,6 +13,7 @@ from core import kernels
 from core.cache_kinds import KV
 from core.engine import KVCache
 from core.rope import Rope
+from tests.conftest import run_emulated
 
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 
@@ -433,21 +434,6 @@ int main(void) {
 
 
 def test_softmax_exp_variants_emulated(tmp_path):
-    import shutil
-    import subprocess
-    import sys
-    from tests.test_kernels import _simde_include
+    run_emulated(tmp_path, _EMU_SOFTMAX)
 
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    inc = _simde_include()
-    if sys.platform == "win32" or cc is None or inc is None:
-        pytest.skip("needs a gcc/clang-style C compiler and the SIMDe headers")
-    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cython_kernels")
-    src = tmp_path / "emu.c"
-    src.write_text(_EMU_SOFTMAX)
-    exe = tmp_path / "emu"
-    r = subprocess.run([cc, "-O1", "-DCOLI_SIMDE_TEST", "-I", kdir, "-I", inc, str(src), "-o",
-                        str(exe), "-lm"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:]
+

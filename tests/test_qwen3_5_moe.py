@@ -19,7 +19,7 @@ from core.cache_kinds import KV, Conv, Recurrent, bytes_per_position, fixed_byte
 from core.engine import KVCache
 from core.errors import ColiError
 from models import family_for, open_model
-from tests.conftest import COMMITTED
+from tests.conftest import COMMITTED, attention_one_row_at_a_time, decode_and_prefill
 
 TEXT, COMPOSITE = "qwen35moe-a", "qwen35moe-b"
 
@@ -241,12 +241,6 @@ def test_decode_equals_prefill_bit_for_bit_with_one_row_products(name, container
     def per_row(f, x, *rest):
         return np.concatenate([f(x[t: t + 1], *rest) for t in range(x.shape[0])]) if x.shape[0] > 1 else f(x, *rest)
 
-    def attention_per_row(q, keys, values, scale, pos, window, allowed=None):
-        if q.shape[0] == 1 or allowed is not None:
-            return attention(q, keys, values, scale, pos, window, allowed)
-        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale, pos[t: t + 1],
-                                         window) for t, p in enumerate(pos.tolist())])
-
     def moe_per_row(self, i, h, pos, ctx, routed=None):
         if h.shape[0] == 1:
             return moe(self, i, h, pos, ctx, routed)
@@ -256,14 +250,9 @@ def test_decode_equals_prefill_bit_for_bit_with_one_row_products(name, container
 
     monkeypatch.setattr(kernels, "matmul", lambda x, w: per_row(matmul, np.ascontiguousarray(x, np.float32), w))
     monkeypatch.setattr(kernels, "router_logits", lambda h, w: per_row(router, h, w))
-    monkeypatch.setattr(kernels, "attention", attention_per_row)
+    monkeypatch.setattr(kernels, "attention", attention_one_row_at_a_time(attention))
     monkeypatch.setattr(mlp.MoEBlock, "__call__", moe_per_row)
-    engine = open_model(containers(name, 16))
-    ids = _ids(name)
-    full = engine.logits(ids)
-    cache = engine.new_cache()
-    step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
-    np.testing.assert_array_equal(np.stack(step), full[4:])
+    np.testing.assert_array_equal(*decode_and_prefill(open_model(containers(name, 16)), _ids(name)))
 
 
 @pytest.mark.parametrize("name", [TEXT, COMPOSITE])
@@ -274,21 +263,8 @@ def test_decode_equals_prefill_bit_for_bit_with_one_row_attention(name, containe
     from core import kernels
     if not kernels._dense_compiled():
         pytest.skip("the dense kernel does not run here (portable x86 / numpy: sgemv vs sgemm)")
-    attention = kernels.attention
-
-    def attention_per_row(q, keys, values, scale, pos, window, allowed=None):
-        if q.shape[0] == 1 or allowed is not None:
-            return attention(q, keys, values, scale, pos, window, allowed)
-        return np.concatenate([attention(q[t: t + 1], keys[:, : p + 1], values[:, : p + 1], scale, pos[t: t + 1],
-                                         window) for t, p in enumerate(pos.tolist())])
-
-    monkeypatch.setattr(kernels, "attention", attention_per_row)
-    engine = open_model(containers(name, 16))
-    ids = _ids(name)
-    full = engine.logits(ids)
-    cache = engine.new_cache()
-    step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
-    np.testing.assert_array_equal(np.stack(step), full[4:])
+    monkeypatch.setattr(kernels, "attention", attention_one_row_at_a_time(kernels.attention))
+    np.testing.assert_array_equal(*decode_and_prefill(open_model(containers(name, 16)), _ids(name)))
 
 
 def test_a_new_cache_starts_from_the_zero_state(containers):
