@@ -527,17 +527,18 @@ static float coli_softmax_unnorm(float *p, coli_ix n, float scale)
 }
 
 #if COLI_X86
-/* coli_weighted_rows' AVX2 variant (D % 8 == 0): the same operations per element, 32 columns
- * held in registers across the n rows (out is read and written once per call, not per row). */
-COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *w, const float *V, coli_ix n,
-                                                coli_ix D, float *out)
+/* out[d] += w[j] * V[j * ld + d] for rows j < n in order, columns [d0, d1) (AVX2): 32 columns
+ * held in registers across the n rows (out is read and written once per call, not per row),
+ * then 8, then one at a time; each element gets the same product and sum as the scalar loop. */
+COLI_T_AVX2 static void coli_weighted_cols_avx2(const float *w, const float *V, coli_ix n,
+                                                coli_ix ld, float *out, coli_ix d0, coli_ix d1)
 {
-    coli_ix j, d = 0;
-    for (; d + 32 <= D; d += 32) {
+    coli_ix j, d = d0;
+    for (; d + 32 <= d1; d += 32) {
         __m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out + d + 8);
         __m256 a2 = _mm256_loadu_ps(out + d + 16), a3 = _mm256_loadu_ps(out + d + 24);
         for (j = 0; j < n; j++) {
-            const float *v = V + j * D + d;
+            const float *v = V + j * ld + d;
             __m256 wj = _mm256_set1_ps(w[j]);
             a0 = _mm256_add_ps(a0, _mm256_mul_ps(wj, _mm256_loadu_ps(v)));
             a1 = _mm256_add_ps(a1, _mm256_mul_ps(wj, _mm256_loadu_ps(v + 8)));
@@ -549,12 +550,15 @@ COLI_T_AVX2 static void coli_weighted_rows_avx2(const float *w, const float *V, 
         _mm256_storeu_ps(out + d + 16, a2);
         _mm256_storeu_ps(out + d + 24, a3);
     }
-    for (; d < D; d += 8) {
+    for (; d + 8 <= d1; d += 8) {
         __m256 a = _mm256_loadu_ps(out + d);
         for (j = 0; j < n; j++)
-            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(V + j * D + d)));
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(V + j * ld + d)));
         _mm256_storeu_ps(out + d, a);
     }
+    for (; d < d1; d++)
+        for (j = 0; j < n; j++)
+            out[d] = out[d] + w[j] * V[j * ld + d];
 }
 #endif
 
@@ -679,7 +683,7 @@ static void coli_weighted_rows(const float *w, const float *V, coli_ix n, coli_i
     coli_ix j, d;
 #if COLI_X86
     if (avx2) {
-        coli_weighted_rows_avx2(w, V, n, D, out);
+        coli_weighted_cols_avx2(w, V, n, D, out, 0, D);
         return;
     }
 #endif

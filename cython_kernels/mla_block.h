@@ -220,39 +220,6 @@ static void coli_latent_softmax(float *p, coli_ix S, float scale)
     }
 }
 
-#if COLI_X86
-COLI_T_AVX2 static void coli_latent_sum_avx2(const float *pw, const float *rows, coli_ix n,
-                                             coli_ix D, float *o, coli_ix d0, coli_ix d1)
-{
-    coli_ix d = d0, j;
-    for (; d + 32 <= d1; d += 32) {
-        __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
-        __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
-        for (j = 0; j < n; j++) {
-            const float *v = rows + j * D + d;
-            __m256 pj = _mm256_set1_ps(pw[j]);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(pj, _mm256_loadu_ps(v)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(pj, _mm256_loadu_ps(v + 8)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(pj, _mm256_loadu_ps(v + 16)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(pj, _mm256_loadu_ps(v + 24)));
-        }
-        _mm256_storeu_ps(o + d, a0);
-        _mm256_storeu_ps(o + d + 8, a1);
-        _mm256_storeu_ps(o + d + 16, a2);
-        _mm256_storeu_ps(o + d + 24, a3);
-    }
-    for (; d + 8 <= d1; d += 8) {
-        __m256 a0 = _mm256_loadu_ps(o + d);
-        for (j = 0; j < n; j++)
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(pw[j]), _mm256_loadu_ps(rows + j * D + d)));
-        _mm256_storeu_ps(o + d, a0);
-    }
-    for (; d < d1; d++)
-        for (j = 0; j < n; j++)
-            o[d] = o[d] + pw[j] * rows[j * D + d];
-}
-#endif
-
 /* out[h][d] += p[h][j] * R[j][d] over rows j in order, columns [d0, d1) of each head (out
  * zeroed first): every (head, column) adds its rows in order, whoever runs it. */
 static void coli_latent_sum(const float *p, const void *R, int half, coli_ix H, coli_ix D,
@@ -271,7 +238,7 @@ static void coli_latent_sum(const float *p, const void *R, int half, coli_ix H, 
             float *o = out + h * Dv;
 #if COLI_X86
             if (avx2) {
-                coli_latent_sum_avx2(pw, rows, n, D, o, d0, d1);
+                coli_weighted_cols_avx2(pw, rows, n, D, o, d0, d1);
                 continue;
             }
 #endif
