@@ -219,6 +219,14 @@ class ColiApp(App):
         base = self.screen_stack[0] if self.screen_stack else self.screen
         return base.query_one(selector, kind) if kind else base.query_one(selector)
 
+    def _q_live(self, selector, kind=None):
+        """``_q``, or None when there is no such widget: not composed yet, or the app closing
+        (a reply's last batch can be applied while it closes)."""
+        try:
+            return self._q(selector, kind)
+        except (NoMatches, ScreenStackError):
+            return None
+
     @property
     def prompt_input(self) -> PromptInput:
         return self._q("#prompt", PromptInput)
@@ -231,21 +239,18 @@ class ColiApp(App):
     @gen.setter
     def gen(self, gen: Generation | None) -> None:
         self._gen = gen
-        try:                  # a blinking cursor is two frames a second the decode pays for
-            self.prompt_input.cursor_blink = gen is None
-        except (NoMatches, ScreenStackError):     # not composed yet, or closing
-            pass
+        prompt = self._q_live("#prompt", PromptInput)
+        if prompt is not None:     # a blinking cursor is two frames a second the decode pays for
+            prompt.cursor_blink = gen is None
 
     @property
     def tier_panel(self) -> TierPanel:
         return self._q("#tiers", TierPanel)
 
     def set_status(self, text: str) -> None:
-        try:
-            # one line of fixed size: its updates (every batch) repaint it without a layout
-            self._q("#status", Static).update(Text(one_line(text)), layout=False)
-        except (NoMatches, ScreenStackError):          # closing
-            pass
+        status = self._q_live("#status", Static)
+        if status is not None:     # one line of fixed size: its updates (every batch) need no layout
+            status.update(Text(one_line(text)), layout=False)
 
     def show_title(self, chat_title: str) -> None:
         self.title = f"colibrì · {one_line(chat_title)}"
@@ -463,9 +468,8 @@ class ColiApp(App):
 
     # --- chats ---------------------------------------------------------------------------------
     def refresh_chat_list(self) -> None:
-        try:
-            lv = self._q("#chat-list", ListView)
-        except (NoMatches, ScreenStackError):      # the app is closing (a reply's end, say)
+        lv = self._q_live("#chat-list", ListView)
+        if lv is None:
             return
         chats = [(c.id, c.title) for c in self.history.chats()]
         shown = [(it.chat_id, it.title) for it in lv.children if isinstance(it, ChatItem)]
@@ -475,9 +479,8 @@ class ColiApp(App):
         self.call_after_refresh(self._select_current_chat)
 
     def _select_current_chat(self) -> None:
-        try:                       # runs after a refresh: the app may be closing by then
-            lv = self._q("#chat-list", ListView)
-        except (NoMatches, ScreenStackError):
+        lv = self._q_live("#chat-list", ListView)     # runs after a refresh: maybe closing by then
+        if lv is None:
             return
         items = [it for it in lv.children if isinstance(it, ChatItem)]
         for i, it in enumerate(items):
