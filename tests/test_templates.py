@@ -17,7 +17,9 @@ from core.tokenizer import ChatTokenizer  # noqa: E402
 from tests.test_tokenizer import _hf_ids, _write_dir  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(__file__), "templates")
-TEMPLATES = ["qwen3_6", "kimi_k2_thinking", "kimi_k3"]
+# Our own template for a family whose release ships none (models/templates/).
+OURS = os.path.join(os.path.dirname(__file__), "..", "models", "templates")
+TEMPLATES = ["qwen3_6", "kimi_k2_thinking", "kimi_k3", "deepseek_v4"]
 
 TOOLS = [{
     "type": "function",
@@ -81,13 +83,19 @@ THINKING_KWARGS = {
     "qwen3_6": [{}, {"enable_thinking": True}, {"enable_thinking": False}, {"preserve_thinking": True}],
     "kimi_k2_thinking": [{}],
     "kimi_k3": [{}, {"thinking": False}, {"thinking_effort": "low"}, {"tool_choice": "required"}],
+    "deepseek_v4": [{}, {"thinking": True}, {"enable_thinking": True, "reasoning_effort": "max"},
+                    {"thinking": True, "drop_thinking": False}],
 }
 
 
+def _template_text(name: str) -> str:
+    path = os.path.join(HERE, name + ".jinja")
+    with open(path if os.path.exists(path) else os.path.join(OURS, name + ".jinja"), encoding="utf-8") as f:
+        return f.read()
+
 @pytest.fixture(scope="module", params=TEMPLATES)
 def template_dirs(request, tmp_path_factory):
-    with open(os.path.join(HERE, request.param + ".jinja"), encoding="utf-8") as f:
-        template = f.read()
+    template = _template_text(request.param)
     path = _write_dir(tmp_path_factory.mktemp(request.param))
     with open(os.path.join(path, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(template)
