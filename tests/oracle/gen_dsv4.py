@@ -337,7 +337,9 @@ class ClampWatch:
         self._undo = []
 
     def watch(self, model):
-        experts_cls = next(type(m) for m in model.modules() if type(m).__name__ == "DeepseekV4Experts")
+        experts_cls = next((type(m) for m in model.modules() if type(m).__name__ == "DeepseekV4Experts"), None)
+        if experts_cls is None:           # another family: nothing to count
+            return self
         original = experts_cls._apply_gate
         watch = self
 

@@ -1,5 +1,5 @@
-"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA / Qwen3.5-MoE models with transformers
-and store reference outputs.
+"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA / Qwen3.5-MoE / Kimi-Linear /
+DeepSeek-V4 models with transformers and store reference outputs.
 
 Run from the repository root:
 
@@ -18,6 +18,9 @@ For every config in ``CONFIGS`` this writes ``OUT/NAME/``:
                       moe_layers [n] int64 (indices of sparse layers),
                       router_logits_orig [n, 32, num_experts] float32 (router logits of those layers).
 * ``meta.json``       the key config fields and a few statistics (argmax agreement, routing spread).
+
+DeepSeek V4 configs (``hub=...``) also get ``hub/``, the same model in the Hub release's layout,
+and ``logits_hub`` (see tests/oracle/gen_dsv4.py).
 
 ``logits_qN`` is the model with every saved tensor replaced by what colibrì's ``--bits N``
 container dequantizes it to (see ``core.quant.scheme_for``): int4 group-64, int8 per row, or
@@ -87,6 +90,11 @@ def _rope(theta: float) -> dict:
 #   qwen35moe-b  qwen3_5_moe (composite: text_config + a 1-block vision tower) H32, layers LFL, 4/1 MQA
 #                hd16 rope 50 % + mrope_section, q/k/v/o bias, GDN 1/3 heads x 10/6, K3; E8 k3 I7
 #                shared 13, tied (top-level tie_word_embeddings), sharded
+# DeepSeek V4 (mHC x4, sinks, S/C/H layers, hash layers, sqrt-softplus router, clamped SwiGLU):
+#   dsv4-a       H32 4 heads x 16 (rope 8), layers S C H C (hash hash moe moe), C/H ratio 4/8, window 8,
+#                indexer 8 x 16 top-3, E4 k2 I32, limit 1.25, yarn on the compress rope; hub/ one file
+#   dsv4-b       H32 3 heads x 24 (rope 6), layers C H S C (hash moe moe moe), ratio 4/6, window 11,
+#                indexer 10 x 12 top-5, E5 k3 I32, limit 1.5; hub/ three shards + index
 CONFIGS: list[dict] = [
     dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
         vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
