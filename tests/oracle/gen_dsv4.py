@@ -112,18 +112,20 @@ def _to_torch(dtype: str, arr: np.ndarray) -> torch.Tensor:
 
 
 def _mtp_block(hub: dict[str, np.ndarray], cfg: dict, gen: torch.Generator) -> dict[str, np.ndarray]:
-    """One MTP block with random weights: the last layer's tensors under ``mtp.0.`` plus e_proj,
-    h_proj, enorm, hnorm, norm and its own hc head."""
-    last = cfg["num_hidden_layers"] - 1
+    """One MTP block with random weights: a sliding layer's tensors (vLLM gives the MTP layer no
+    compressor) with a routed, not hashed, gate under ``mtp.0.``, plus e_proj, h_proj, enorm,
+    hnorm, norm and its own hc head."""
+    src = f"layers.{cfg['layer_types'].index('sliding_attention')}."
     h = cfg["hidden_size"]
 
     def rnd(shape, std):
         return (torch.randn(tuple(shape), generator=gen) * std).numpy()
     out = {}
     for name, w in hub.items():
-        if name.startswith(f"layers.{last}."):
-            new = "mtp.0." + name[len(f"layers.{last}."):]
-            out[new] = w.copy() if w.dtype == np.int64 else rnd(w.shape, 1.0 / w.shape[-1] ** 0.5)
+        if name.endswith(".ffn.gate.tid2eid"):
+            name, w = name[: -len("tid2eid")] + "bias", np.zeros(cfg["n_routed_experts"], np.float32)
+        if name.startswith(src):
+            out["mtp.0." + name[len(src):]] = rnd(w.shape, 1.0 / w.shape[-1] ** 0.5)
     out.update({"mtp.0.e_proj.weight": rnd((h, h), h ** -0.5), "mtp.0.h_proj.weight": rnd((h, h), h ** -0.5),
                 "mtp.0.enorm.weight": 1 + rnd((h,), 0.1), "mtp.0.hnorm.weight": 1 + rnd((h,), 0.1),
                 "mtp.0.norm.weight": 1 + rnd((h,), 0.1)})
@@ -135,8 +137,9 @@ def _mtp_block(hub: dict[str, np.ndarray], cfg: dict, gen: torch.Generator) -> d
 
 def _hub_config(cfg: dict) -> dict:
     """config.json as the release writes it: DeepSeek's own field spellings (compress_ratios per
-    layer with the MTP layer's entry last, num_hash_layers, qk_rope_head_dim, rope_scaling),
-    expert_dtype fp4 and the FP8 quantization_config."""
+    layer with the MTP layer's entry, 0, last; num_hash_layers; qk_rope_head_dim; rope_scaling;
+    topk_method noaux_tc, which vLLM reads before it loads gate.bias), expert_dtype fp4 and the
+    FP8 quantization_config."""
     ratio = {"sliding_attention": 0, **cfg["compress_rates"]}
     ratios = [ratio[t] for t in cfg["layer_types"]]
     n_hash = cfg["mlp_layer_types"].count("hash_moe")
@@ -155,7 +158,7 @@ def _hub_config(cfg: dict) -> dict:
             "tie_word_embeddings", "initializer_range", "attention_bias")
     out = {k: cfg[k] for k in keep}
     out.update({"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-                "compress_ratios": ratios + [ratios[-1]], "num_hash_layers": n_hash,
+                "compress_ratios": ratios + [0], "num_hash_layers": n_hash, "topk_method": "noaux_tc",
                 "qk_rope_head_dim": cfg["qk_rope_head_dim"], "rope_scaling": scaling,
                 "num_nextn_predict_layers": 1, "expert_dtype": "fp4", "torch_dtype": "bfloat16",
                 "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
