@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tests.oracle import hub_formats as hf
+from tests.oracle.hooks import Watch, topk_boundary_gap
 
 HC_GAIN = 0.5        # mHC projections: std HC_GAIN / sqrt(fan_in) -> pre/post/comb logits O(0.5)
 
@@ -269,18 +270,18 @@ def _check_fused_experts(model, deq: dict[str, np.ndarray]) -> None:
 
 
 # --- what meta.json records -----------------------------------------------------------------
-class IndexerWatch:
+class IndexerWatch(Watch):
     """Hooks on every Lightning indexer: the index scores of each query row over the compressed
     entries it may see ((t+1) // ratio of them), the gap between the k-th and (k+1)-th score where
     the top-k really chooses (more visible entries than index_topk), and a check that the
     selection equals (score desc) over the visible entries."""
 
     def __init__(self):
+        super().__init__()
         self.gaps: dict[str, list[float]] = {}
         self.rows: dict[str, list[int]] = {}      # per pass: [rows where top-k chooses, rows]
         self.entries: set[int] = set()
         self.phase = ""
-        self._hooks = []
         self._scores = None
 
     def watch(self, model, phase: str):
@@ -288,18 +289,10 @@ class IndexerWatch:
         for mod in model.modules():
             name = type(mod).__name__
             if name == "DeepseekV4IndexerScorer":
-                self._hooks.append(mod.register_forward_hook(self._score_hook))
+                self._undo.append(mod.register_forward_hook(self._score_hook).remove)
             elif name == "DeepseekV4Indexer":
-                self._hooks.append(mod.register_forward_hook(self._select_hook, with_kwargs=True))
+                self._undo.append(mod.register_forward_hook(self._select_hook, with_kwargs=True).remove)
         return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     def _score_hook(self, _mod, _args, out):
         self._scores = out.detach()[0]                          # [S, T]
@@ -318,11 +311,7 @@ class IndexerWatch:
             if len(vis) <= k:
                 continue
             rows[0] += 1
-            v, order = torch.sort(vis, descending=True, stable=True)
-            gap = float(v[k - 1] - v[k])
-            gaps.append(gap)
-            if gap > 1e-6 and set(order[:k].tolist()) != set(sel[t].tolist()):
-                raise AssertionError(f"indexer recomputation disagrees with transformers at row {t}")
+            gaps.append(topk_boundary_gap(vis, k, sel[t], t))
 
     def summary(self) -> dict:
         return {"dsa_min_boundary_gap": {p: min(g) for p, g in sorted(self.gaps.items())},
@@ -331,13 +320,13 @@ class IndexerWatch:
                 "compressed_entries_seen_by_indexer": sorted(self.entries)}
 
 
-class ClampWatch:
+class ClampWatch(Watch):
     """The share of SwiGLU pre-activations the swiglu_limit clamp changes: gate > limit,
     |up| > limit, for the routed experts (tokens routed to each) and the shared experts."""
 
     def __init__(self):
+        super().__init__()
         self.counts = {"routed_gate": [0, 0], "routed_up": [0, 0], "shared_gate": [0, 0], "shared_up": [0, 0]}
-        self._undo = []
 
     def watch(self, model):
         experts_cls = next((type(m) for m in model.modules() if type(m).__name__ == "DeepseekV4Experts"), None)
@@ -366,14 +355,6 @@ class ClampWatch:
             c = self.counts[f"{kind}_{part}"]
             c[0] += int(clipped.sum())
             c[1] += t.numel()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for undo in self._undo:
-            undo()
-        self._undo = []
 
     def summary(self) -> dict:
         return {"swiglu_clamped_frac": {k: round(c[0] / c[1], 4) for k, c in self.counts.items() if c[1]}}

@@ -45,6 +45,7 @@ from safetensors.numpy import load_file, save_file
 
 from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_for
 from tests.oracle import gen_dsv4
+from tests.oracle.hooks import Watch, topk_boundary_gap
 
 GROUP_SIZE = 64
 OUT_GAIN = 1.0        # std multiplier for o_proj / down_proj (write into the residual stream)
@@ -559,7 +560,7 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
-class _IndexerWatch:
+class _IndexerWatch(Watch):
     """Forward hooks on every DSA indexer (while active): recompute its index scores and record,
     per query row with more visible positions than ``index_topk``, the gap between the k-th and
     (k+1)-th visible score. A gap of 0 is a tie at the boundary: which position attention sees
@@ -567,25 +568,17 @@ class _IndexerWatch:
     first) may pick the other one."""
 
     def __init__(self):
+        super().__init__()
         self.gaps: dict[str, list[float]] = {}
         self.zero_frac: list[float] = []
         self.phase = ""
-        self._hooks = []
 
     def watch(self, model, phase: str):
         self.phase = phase
         for mod in model.modules():
             if type(mod).__name__.endswith("DsaIndexer"):
-                self._hooks.append(mod.register_forward_hook(self._hook, with_kwargs=True))
+                self._undo.append(mod.register_forward_hook(self._hook, with_kwargs=True).remove)
         return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     @torch.no_grad()
     def _hook(self, mod, args, kwargs, out):
@@ -610,11 +603,7 @@ class _IndexerWatch:
             self.zero_frac.append(float((vis == 0).float().mean()))
             if t + 1 <= kk:
                 continue
-            v, order = torch.sort(vis, descending=True, stable=True)
-            gap = float(v[kk - 1] - v[kk])
-            gaps.append(gap)
-            if gap > 1e-6 and set(order[:kk].tolist()) != set(sel[t].tolist()):
-                raise AssertionError(f"indexer recomputation disagrees with transformers at row {t}")
+            gaps.append(topk_boundary_gap(vis, kk, sel[t], t))
 
     def summary(self) -> dict:
         return {"dsa_min_boundary_gap": {p: min(g) for p, g in sorted(self.gaps.items())},
