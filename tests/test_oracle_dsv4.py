@@ -62,7 +62,7 @@ def test_release_layout_dtypes_and_scales(name, fixture_root):
                                           "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
     assert len(cfg["compress_ratios"]) == cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]
     want = {"fp4": "I8", "fp8": "F8_E4M3", "bf16": "BF16", "f32": "F32", "i64": "I64"}
-    seen = set()
+    seen, fp8_blocks = set(), set()
     for n, (dtype, arr) in raw.items():
         if n.endswith(".scale"):
             continue
@@ -74,7 +74,10 @@ def test_release_layout_dtypes_and_scales(name, fixture_root):
             assert s_dtype == "F8_E8M0"
             o, i = arr.shape[0], arr.shape[1] * (2 if cls == "fp4" else 1)
             assert scale.shape == ((o, i // 32) if cls == "fp4" else (-(-o // 128), -(-i // 128))), n
+            if cls == "fp8":
+                fp8_blocks.add(scale.shape)
     assert seen == set(want)
+    assert max(r for r, _ in fp8_blocks) > 1             # some FP8 matrix spans two row blocks
     assert all(hf.hub_class(n[: -len(".scale")] + ".weight") in ("fp4", "fp8") for n in raw if n.endswith(".scale"))
     assert any(n.startswith("mtp.0.e_proj") for n in raw) and any(n.startswith("mtp.0.ffn.experts.") for n in raw)
 

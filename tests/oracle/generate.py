@@ -93,9 +93,11 @@ def _rope(theta: float) -> dict:
 #                shared 13, tied (top-level tie_word_embeddings), sharded
 # DeepSeek V4 (mHC x4, sinks, S/C/H layers, hash layers, sqrt-softplus router, clamped SwiGLU):
 #   dsv4-a       H32 4 heads x 16 (rope 8), layers S C H C (hash hash moe moe), C/H ratio 4/8, window 8,
-#                indexer 8 x 16 top-3, E4 k2 I32, limit 1.25, yarn on the compress rope; hub/ one file
+#                indexer 9 x 16 top-3 (indexer wq_b 144 rows: 2 FP8 blocks), E4 k2 I32, limit 1.25, yarn on
+#                the compress rope; hub/ one file
 #   dsv4-b       H32 3 heads x 24 (rope 6), layers C H S C (hash moe moe moe), ratio 4/6, window 11,
-#                indexer 10 x 12 top-5, E5 k3 I32, limit 1.5; hub/ three shards + index
+#                indexer 10 x 12 top-5, E5 k3 I32, limit 1.5, o 3 x 43 (wo_a rows and wo_b columns 129: a
+#                1-wide second FP8 block); hub/ three shards + index
 CONFIGS: list[dict] = [
     dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
         vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
@@ -266,14 +268,14 @@ CONFIGS: list[dict] = [
                      "heavily_compressed_attention", "compressed_sparse_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], sliding_window=8,
-        index_n_heads=8, index_head_dim=16, index_topk=3, moe_intermediate_size=32,
+        index_n_heads=9, index_head_dim=16, index_topk=3, moe_intermediate_size=32,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5,
         swiglu_limit=1.25, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
         rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
                          "beta_fast": 32, "beta_slow": 1})),
     dict(name="dsv4-b", family="deepseek_v4", shard=False, hub=dict(shard=True), cfg=dict(
         vocab_size=311, hidden_size=32, num_hidden_layers=4, num_attention_heads=3, head_dim=24,
-        partial_rotary_factor=0.25, q_lora_rank=20, o_groups=3, o_lora_rank=10,
+        partial_rotary_factor=0.25, q_lora_rank=20, o_groups=3, o_lora_rank=43,
         layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
                      "sliding_attention", "compressed_sparse_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 6},
