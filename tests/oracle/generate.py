@@ -1,5 +1,5 @@
-"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA / Qwen3.5-MoE models with transformers
-and store reference outputs.
+"""Build tiny random OLMoE / Qwen3-MoE / GLM-4-MoE / DeepSeek-V3 / GLM-MoE-DSA / Qwen3.5-MoE / Kimi-Linear /
+DeepSeek-V4 models with transformers and store reference outputs.
 
 Run from the repository root:
 
@@ -18,6 +18,9 @@ For every config in ``CONFIGS`` this writes ``OUT/NAME/``:
                       moe_layers [n] int64 (indices of sparse layers),
                       router_logits_orig [n, 32, num_experts] float32 (router logits of those layers).
 * ``meta.json``       the key config fields and a few statistics (argmax agreement, routing spread).
+
+DeepSeek V4 configs (``hub=...``) also get ``hub/``, the same model in the Hub release's layout,
+and ``logits_hub`` (see tests/oracle/gen_dsv4.py).
 
 ``logits_qN`` is the model with every saved tensor replaced by what colibrì's ``--bits N``
 container dequantizes it to (see ``core.quant.scheme_for``): int4 group-64, int8 per row, or
@@ -41,6 +44,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_for
+from tests.oracle import gen_dsv4
+from tests.oracle.hooks import Watch, topk_boundary_gap
 
 GROUP_SIZE = 64
 OUT_GAIN = 1.0        # std multiplier for o_proj / down_proj (write into the residual stream)
@@ -86,6 +91,13 @@ def _rope(theta: float) -> dict:
 #   qwen35moe-b  qwen3_5_moe (composite: text_config + a 1-block vision tower) H32, layers LFL, 4/1 MQA
 #                hd16 rope 50 % + mrope_section, q/k/v/o bias, GDN 1/3 heads x 10/6, K3; E8 k3 I7
 #                shared 13, tied (top-level tie_word_embeddings), sharded
+# DeepSeek V4 (mHC x4, sinks, S/C/H layers, hash layers, sqrt-softplus router, clamped SwiGLU):
+#   dsv4-a       H32 4 heads x 16 (rope 8), layers S C H C (hash hash moe moe), C/H ratio 4/8, window 8,
+#                indexer 9 x 16 top-3 (indexer wq_b 144 rows: 2 FP8 blocks), E4 k2 I32, limit 1.25, yarn on
+#                the compress rope; hub/ one file
+#   dsv4-b       H32 3 heads x 24 (rope 6), layers C H S C (hash moe moe moe), ratio 4/6, window 11,
+#                indexer 10 x 12 top-5, E5 k3 I32, limit 1.5, o 3 x 43 (wo_a rows and wo_b columns 129: a
+#                1-wide second FP8 block); hub/ three shards + index
 CONFIGS: list[dict] = [
     dict(name="olmoe-a", family="olmoe", shard=False, cfg=dict(
         vocab_size=331, hidden_size=72, intermediate_size=40, num_hidden_layers=3,
@@ -245,6 +257,32 @@ CONFIGS: list[dict] = [
         mlp_layer_types=["dense", "sparse", "sparse"],
         linear_attn_config=dict(head_dim=6, num_heads=2, short_conv_kernel_size=3,
                                 full_attn_layers=[3], kda_layers=[1, 2]))),
+    # --- DeepSeek V4 (issue 26): mHC (4 streams), shared-KV MQA with sinks, the three layer types,
+    # hash-routed layers first, sqrt-softplus router + bias, clamped SwiGLU. Each also comes in the
+    # Hub's layout (``hub/``: DeepSeek's names, FP4 experts, FP8 blocks, an MTP block; see
+    # tests/oracle/gen_dsv4.py). Expert I and H are multiples of 32 (FP4 scales per 32 inputs).
+    dict(name="dsv4-a", family="deepseek_v4", shard=False, hub=dict(shard=False), cfg=dict(
+        vocab_size=307, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+        partial_rotary_factor=0.5, q_lora_rank=24, o_groups=2, o_lora_rank=12,
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], sliding_window=8,
+        index_n_heads=9, index_head_dim=16, index_topk=3, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=1.5,
+        swiglu_limit=1.25, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32, "beta_slow": 1})),
+    dict(name="dsv4-b", family="deepseek_v4", shard=False, hub=dict(shard=True), cfg=dict(
+        vocab_size=311, hidden_size=32, num_hidden_layers=4, num_attention_heads=3, head_dim=24,
+        partial_rotary_factor=0.25, q_lora_rank=20, o_groups=3, o_lora_rank=43,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention",
+                     "sliding_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 6},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=11,
+        index_n_heads=10, index_head_dim=12, index_topk=5, moe_intermediate_size=32,
+        n_routed_experts=5, num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=2.0,
+        swiglu_limit=1.5, rms_norm_eps=1e-5, rope_theta=5000.0, compress_rope_theta=40000.0)),
 ]
 # The families whose routers are sigmoid + e_score_correction_bias (set at random in _reinit).
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm_moe_dsa", "kimi_linear")
@@ -281,6 +319,9 @@ def _classes(family: str):
     if family == "kimi_linear":
         from transformers import KimiLinearConfig, KimiLinearForCausalLM
         return KimiLinearConfig, KimiLinearForCausalLM
+    if family == "deepseek_v4":
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+        return DeepseekV4Config, DeepseekV4ForCausalLM
     raise ValueError(family)
 
 
@@ -367,6 +408,10 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
             fan_in = p.shape[-1]
             if name.startswith("model.visual."):     # the vision tower: never run on text ids
                 p.copy_(normal(p.shape, 0.02))
+            elif parent in ("attn_hc", "ffn_hc", "hc_head"):    # DeepSeek V4's mHC
+                p.copy_(gen_dsv4.hc_init(leaf, p.shape, normal))
+            elif leaf in ("sinks", "position_bias"):   # V4 attention sinks, compressor biases
+                p.copy_(normal(p.shape, 1.0 if leaf == "sinks" else 0.5))
             elif leaf == "A_log":                  # Gated DeltaNet: decay rates exp(A_log) in [1, 16]
                 p.copy_(torch.log(torch.rand(p.shape, generator=gen, dtype=torch.float32) * 15 + 1))
             elif leaf == "dt_bias":
@@ -397,6 +442,9 @@ def _reinit(model: torch.nn.Module, gen: torch.Generator) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(normal(b.shape, BIAS_STD))
+            elif name.endswith("tid2eid"):        # V4 hash layers: k distinct experts per token id
+                b.copy_(torch.argsort(torch.rand(b.shape[0], model.config.n_routed_experts,
+                                                 generator=gen), dim=1)[:, : b.shape[1]])
 
 
 def _read_saved(model_dir: str) -> dict[str, np.ndarray]:
@@ -407,8 +455,11 @@ def _read_saved(model_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _qdq(name: str, w: np.ndarray, bits: int) -> np.ndarray:
-    scheme = scheme_for(name, w.ndim, bits)
+def _qdq(name: str, w: np.ndarray, bits: int, family: str = "") -> np.ndarray:
+    if not np.issubdtype(w.dtype, np.floating):     # V4's tid2eid hash table
+        return w
+    scheme = (gen_dsv4.scheme(name, w.ndim, bits) if family == "deepseek_v4"
+              else scheme_for(name, w.ndim, bits))
     if scheme == "int4":
         packed, scales = quantize_int4(w, GROUP_SIZE)
         return dequantize_int4(packed, scales, w.shape[1], GROUP_SIZE)
@@ -419,10 +470,10 @@ def _qdq(name: str, w: np.ndarray, bits: int) -> np.ndarray:
     raise ValueError(scheme)
 
 
-def _quantized_model(model_dir: str, work: str, bits: int, model_cls):
+def _quantized_model(model_dir: str, work: str, bits: int, model_cls, family: str = ""):
     """Write a dequantized copy of the saved checkpoint to ``work`` and load it back."""
     src = _read_saved(model_dir)
-    deq = {name: np.ascontiguousarray(_qdq(name, w, bits)) for name, w in src.items()}
+    deq = {name: np.ascontiguousarray(_qdq(name, w, bits, family)) for name, w in src.items()}
     qdir = os.path.join(work, f"q{bits}")
     os.makedirs(qdir)
     for fn in ("config.json", "generation_config.json"):
@@ -511,7 +562,7 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
-class _IndexerWatch:
+class _IndexerWatch(Watch):
     """Forward hooks on every DSA indexer (while active): recompute its index scores and record,
     per query row with more visible positions than ``index_topk``, the gap between the k-th and
     (k+1)-th visible score. A gap of 0 is a tie at the boundary: which position attention sees
@@ -519,25 +570,17 @@ class _IndexerWatch:
     first) may pick the other one."""
 
     def __init__(self):
+        super().__init__()
         self.gaps: dict[str, list[float]] = {}
         self.zero_frac: list[float] = []
         self.phase = ""
-        self._hooks = []
 
     def watch(self, model, phase: str):
         self.phase = phase
         for mod in model.modules():
             if type(mod).__name__.endswith("DsaIndexer"):
-                self._hooks.append(mod.register_forward_hook(self._hook, with_kwargs=True))
+                self._undo.append(mod.register_forward_hook(self._hook, with_kwargs=True).remove)
         return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     @torch.no_grad()
     def _hook(self, mod, args, kwargs, out):
@@ -562,11 +605,7 @@ class _IndexerWatch:
             self.zero_frac.append(float((vis == 0).float().mean()))
             if t + 1 <= kk:
                 continue
-            v, order = torch.sort(vis, descending=True, stable=True)
-            gap = float(v[kk - 1] - v[kk])
-            gaps.append(gap)
-            if gap > 1e-6 and set(order[:kk].tolist()) != set(sel[t].tolist()):
-                raise AssertionError(f"indexer recomputation disagrees with transformers at row {t}")
+            gaps.append(topk_boundary_gap(vis, kk, sel[t], t))
 
     def summary(self) -> dict:
         return {"dsa_min_boundary_gap": {p: min(g) for p, g in sorted(self.gaps.items())},
@@ -596,7 +635,7 @@ def _derived(model) -> dict:
 def build_one(spec: dict, out_root: str, seed: int) -> dict:
     """Build one fixture. DSA families are rebuilt with fresh weights (``attempt`` 1, 2, ...)
     while any indexer pass meets a tie (gap < DSA_MIN_GAP) at its top-k boundary."""
-    tries = DSA_RETRIES if spec["family"] == "glm_moe_dsa" else 1
+    tries = DSA_RETRIES if spec["family"] in ("glm_moe_dsa", "deepseek_v4") else 1
     for attempt in range(tries):
         meta = _build_attempt(spec, out_root, seed, attempt)
         gaps = meta["stats"].get("dsa_min_boundary_gap", {})
@@ -636,12 +675,13 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
 
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (N_IDS,), generator=gen, dtype=torch.int64).numpy()
-    dsa = _IndexerWatch()
+    dsa = gen_dsv4.IndexerWatch() if family == "deepseek_v4" else _IndexerWatch()
+    clamp = gen_dsv4.ClampWatch()
 
     # The reference is what the engine will read: the saved checkpoint loaded back.
     orig = model_cls.from_pretrained(model_dir, **_load_kwargs()).eval()
     logits_mem = _logits(model, ids)
-    with dsa.watch(orig, "orig"):
+    with dsa.watch(orig, "orig"), clamp.watch(orig):
         logits_orig = _logits(orig, ids)
     if not np.allclose(logits_mem, logits_orig, atol=1e-5, rtol=1e-5):
         raise AssertionError(f"{name}: save/load (or the hub-style config.json) changed the logits")
@@ -650,21 +690,28 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
     moe_layers, router, chosen = _router_logits(orig, ids)
 
     with tempfile.TemporaryDirectory() as work:
-        q4, saved = _quantized_model(model_dir, work, 4, model_cls)
+        q4, saved = _quantized_model(model_dir, work, 4, model_cls, family)
         with dsa.watch(q4, "q4"):
             logits_q4 = _logits(q4, ids)
         with dsa.watch(q4, "greedy_q4"):
             greedy_q4, gap_q4 = _greedy(q4, ids[:N_PROMPT], N_GREEDY)
-        q8, _ = _quantized_model(model_dir, work, 8, model_cls)
+        q8, _ = _quantized_model(model_dir, work, 8, model_cls, family)
         with dsa.watch(q8, "q8"):
             logits_q8 = _logits(q8, ids)
+
+        hub = {}
+        if "hub" in spec:       # the same model as DeepSeek's release ships it (FP4 / FP8, MTP)
+            hub_model, hub_stats = gen_dsv4.write_hub(model_dir, os.path.join(target, "hub"), work,
+                                                      spec["hub"], gen, model_cls, _load_kwargs())
+            with dsa.watch(hub_model, "hub"):
+                hub["logits_hub"] = _logits(hub_model, ids)
 
     np.savez_compressed(
         os.path.join(target, "reference.npz"),
         ids=ids.astype(np.int64), logits_orig=logits_orig, logits_q4=logits_q4, logits_q8=logits_q8,
         greedy_q4=greedy_q4, greedy_orig=greedy_orig,
         greedy_q4_margin=gap_q4, greedy_orig_margin=gap_orig,
-        moe_layers=moe_layers, router_logits_orig=router.astype(np.float32))
+        moe_layers=moe_layers, router_logits_orig=router.astype(np.float32), **hub)
 
     k = config.get_text_config().num_experts_per_tok
     top1 = router.argmax(-1) if router.size else np.zeros((0, N_IDS), np.int64)
@@ -710,8 +757,19 @@ def _build_attempt(spec: dict, out_root: str, seed: int, attempt: int) -> dict:
             n for n in saved if n.endswith("e_score_correction_bias"))
         meta["attempt"] = attempt
         meta["derived"] = _derived(orig)
-    if family == "glm_moe_dsa":
+    if family in ("glm_moe_dsa", "deepseek_v4"):
         stats.update(dsa.summary())
+    if family == "deepseek_v4":
+        meta["attempt"] = attempt
+        meta["derived"] = gen_dsv4.derived(orig)
+        stats.update(clamp.summary())
+        stats["experts_used_per_moe_layer"] = [int(len(np.unique(c))) for c in chosen]
+        stats["q_schemes"] = gen_dsv4.scheme_table(saved)
+        if hub:
+            stats["hub"] = {**hub_stats,
+                            "argmax_agree_hub_vs_orig": float((hub["logits_hub"].argmax(-1) == am).mean()),
+                            "max_abs_diff_hub_vs_orig": float(np.abs(hub["logits_hub"] - logits_orig).max()),
+                            "min_top2_gap_hub": _gap(hub["logits_hub"])}
     if family.startswith("qwen3_5_moe"):
         meta["derived"] = _derived_linear(orig)
         if "composite" in spec:
