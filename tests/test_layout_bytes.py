@@ -3,7 +3,8 @@ converter did before the layout existed: sha256 of each file `coli convert` writ
 manifest, recorded from the code before the refactor (tests/layout_bytes.json, commit 6f5fa50's
 converter), for every committed oracle fixture at --bits 4, 8 and 16, and for checkpoints as the
 Hub ships them (fused 3-D experts in BF16 over three files, MTP layers kept or dropped, a
-top-level ``mtp.*`` module, block-FP8 experts per expert and fused).
+top-level ``mtp.*`` module, block-FP8 experts per expert and fused); and of core.synthetic's
+random containers of seven fixtures' configs at bits 4 and 8.
 
 The manifest is compared without the source's path (it names this checkout) and without the
 keys the layout adds to it (LAYOUT_KEYS: what a container records of its family's layout).
@@ -102,6 +103,19 @@ def test_conversion_is_byte_identical_to_before_the_layout(case, tmp_path):
     want = json.loads(RECORD.read_text())["cases"]
     assert case in want, f"{case}: no recorded digests"
     assert convert_case(case, tmp_path) == want[case]
+
+
+SYNTHETIC = ("olmoe-a", "qwen3moe-b", "deepseekv3-a", "glmdsa-a", "kimilinear-a", "qwen35moe-b", "glm4moe-a")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_container_is_byte_identical_to_before_the_layout(name, bits, tmp_path):
+    """core.synthetic's random containers of the fixtures' configs (seed 1), recorded likewise."""
+    from core.synthetic import write_random_container
+    cfg = json.loads((FIXTURES / name / "model" / "config.json").read_text())
+    out = write_random_container(tmp_path / "c", cfg, bits=bits, seed=1)
+    assert digests(out) == json.loads(RECORD.read_text())["synthetic"][f"{name}@{bits}"]
 
 
 def test_every_case_is_recorded():
