@@ -20,8 +20,9 @@ For every config in ``CONFIGS`` this writes ``OUT/NAME/``:
 * ``meta.json``       the key config fields and a few statistics (argmax agreement, routing spread).
 
 ``logits_qN`` is the model with every saved tensor replaced by what colibrì's ``--bits N``
-container dequantizes it to (see ``core.quant.scheme_for``): int4 group-64, int8 per row, or
-float32 unchanged. The substitution is done on the saved (per-expert) tensor names, and the
+container dequantizes it to (each tensor's class in its family's layout,
+``core.layout.Layout.tensor_class``, at ``--bits N``: ``core.quant.scheme_at``): int4 group-64,
+int8 per row, or float32 unchanged. The substitution is done on the saved (per-expert) tensor names, and the
 quantized model is loaded back through ``from_pretrained``; a round trip checks that the loaded
 model's saved tensors equal the dequantized ones exactly.
 """
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_for
+from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_at
 
 GROUP_SIZE = 64
 OUT_GAIN = 1.0        # std multiplier for o_proj / down_proj (write into the residual stream)
@@ -407,8 +408,8 @@ def _read_saved(model_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _qdq(name: str, w: np.ndarray, bits: int) -> np.ndarray:
-    scheme = scheme_for(name, w.ndim, bits)
+def _qdq(name: str, w: np.ndarray, bits: int, layout) -> np.ndarray:
+    scheme = scheme_at(layout.tensor_class(name, w.ndim), bits)
     if scheme == "int4":
         packed, scales = quantize_int4(w, GROUP_SIZE)
         return dequantize_int4(packed, scales, w.shape[1], GROUP_SIZE)
@@ -421,8 +422,12 @@ def _qdq(name: str, w: np.ndarray, bits: int) -> np.ndarray:
 
 def _quantized_model(model_dir: str, work: str, bits: int, model_cls):
     """Write a dequantized copy of the saved checkpoint to ``work`` and load it back."""
+    from models.registry import family_for
     src = _read_saved(model_dir)
-    deq = {name: np.ascontiguousarray(_qdq(name, w, bits)) for name, w in src.items()}
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    layout = family_for(config).spec(config).layout      # the classes `coli convert` gives
+    deq = {name: np.ascontiguousarray(_qdq(name, w, bits, layout)) for name, w in src.items()}
     qdir = os.path.join(work, f"q{bits}")
     os.makedirs(qdir)
     for fn in ("config.json", "generation_config.json"):
