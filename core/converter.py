@@ -18,10 +18,9 @@ Checkpoints as the Hub ships them, read through the family's layout (core.layout
   (``Layout.fused_rules``; a family's own expert parts, Kimi's w1/w3/w2, are the split's names).
 * MTP (multi-token prediction) layers -- ``model.layers.N.*`` with N >= ``num_hidden_layers``, and
   ``mtp.*`` / ``model.mtp.*`` (``Layout.mtp_group``) -- are no part of the language model: they go
-  to shards of their own
-  (``mtp-0000i-of-0000k.safetensors``, quantized with the same classes), listed in the manifest
-  under ``"mtp"`` and not under ``"shards"``, so the engine never opens them; their checksums are
-  recorded with the others. ``drop_mtp`` leaves them out (the manifest still says so).
+  to shards of their own (``mtp-0000i-of-0000k.safetensors``, quantized with the same classes),
+  listed in the manifest under ``"mtp"`` and not under ``"shards"``, so the engine never opens
+  them; their checksums are recorded with the others. ``drop_mtp`` leaves them out (the manifest still says so).
 * Tensors the family declares no part of the language model (``Layout.dropped``: a composite
   image-text checkpoint's vision tower, ``model.visual.*``) are left out; the manifest's
   ``"dropped"`` says which prefixes, how many tensors and their source bytes (``coli info``).
@@ -237,21 +236,20 @@ def _split_fused(sources: dict[str, _Source], config: dict, files_by_name,
     E = _expert_count(config)
     rules = {r.name: (i, r) for i, r in enumerate(layout.fused_rules)}
     fused_re = re.compile(rf"^(?P<prefix>.*\.experts\.)(?P<kind>{'|'.join(map(re.escape, rules))})$")
+    fused = {n: m for n in sources if (m := fused_re.match(n))}
     odd = next((n for n, s in sources.items() if len(s.shape) == 3 and ".experts." in n
-                and not fused_re.match(n)), None)
+                and n not in fused), None)
     if odd is not None:      # e.g. a `.weight`-suffixed fused tensor: no checkpoint we know has one
-        known = " and ".join(f"...experts.{r.name} " + (f"[E, {len(r.parts) if len(r.parts) > 1 else ''}I, H]"
-                                                        if r.hidden_in else "[E, H, I]")
-                             for _, r in rules.values())
+        known = " and ".join(f"...experts.{r.name} {_fused_shape(r)}" for _, r in rules.values())
         raise ColiError(f"{sources[odd].file.path.name}: 3-D expert tensor {odd} "
                         f"{list(sources[odd].shape)} is in no layout colibrì knows (fused experts are "
                         f"read as {known})")
-    out = {n: s for n, s in sources.items() if not fused_re.match(n)}
+    out = {n: s for n, s in sources.items() if n not in fused}
     inter: dict[str, tuple[int, int, str]] = {}     # prefix -> (experts, intermediate, tensor)
-    fused = [n for n in sources if fused_re.match(n)]      # each prefix's rules in order
-    for name in sorted(fused, key=lambda n: (fused_re.match(n).group("prefix"), rules[fused_re.match(n).group("kind")][0])):
+    # each prefix's tensors in the rules' order
+    for name, m in sorted(fused.items(), key=lambda nm: (nm[1]["prefix"], rules[nm[1]["kind"]][0])):
         s = sources[name]
-        prefix, kind = fused_re.match(name).group("prefix", "kind")
+        prefix, kind = m.group("prefix", "kind")
         rule = rules[kind][1]
         k = len(rule.parts)
         many = f"{k} x " if k > 1 else ""
@@ -295,6 +293,12 @@ def _split_fused(sources: dict[str, _Source], config: dict, files_by_name,
                                       (i_size if rule.hidden_in else h_size, cols), s.scale_inv,
                                       fused=s.key, expert=x, row0=j * i_size)
     return out
+
+
+def _fused_shape(rule) -> str:
+    """A fused expert tensor's shape, in words: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    k = len(rule.parts)
+    return f"[E, {k if k > 1 else ''}I, H]" if rule.hidden_in else "[E, H, I]"
 
 
 def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = None,
