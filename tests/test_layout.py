@@ -178,3 +178,17 @@ def test_default_layout_names():
     assert lay.mtp_group("model.layers.3.eh_proj.weight", 4) is None
     assert lay.mtp_group("mtp.layers.0.mlp.gate.weight", 4) == "mtp.layers.0"
     assert lay.mtp_group("model.mtp.norm.weight", 4) == "model.mtp"
+
+
+def test_core_and_the_catalog_name_no_family():
+    """core/ never imports the families nor branches on a model_type; the quantizer's default
+    classes and the catalog name no family: each family's layout and files say what is its own."""
+    root = Path(__file__).resolve().parents[1]
+    for p in sorted((root / "core").rglob("*.py")):
+        text = p.read_text()
+        assert not re.search(r"^\s*(from models\b|import models\b)", text, re.M), p
+        assert not re.search(r"model_type\s*(==|!=|in )", text), p
+    families = ("olmoe", "qwen", "glm", "deepseek", "kimi", "mixtral", "llama")
+    for p in (root / "core" / "quant.py", root / "models" / "catalog.py"):
+        text = p.read_text().lower()
+        assert not [f for f in families if f in text], p
