@@ -107,11 +107,12 @@ def ensure(directory: Path, config: dict, seed: int = 0, label: str = "") -> tup
     """(path, made_now, generation GB/s): a random container of ``config`` at ``directory``,
     made now or reused (write_random_container verifies an existing one's parameters)."""
     from core.synthetic import container_bytes, write_random_container
+    from models import family_for
 
     if (directory / "colibri.json").exists():
-        write_random_container(directory, config, seed=seed)
+        write_random_container(directory, config, family_for(config), seed=seed)
         return directory, False, None
-    need = container_bytes(config)["total"]
+    need = container_bytes(config, family_for(config))["total"]
     directory.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory.parent).free
     if need > free - (2 << 30):
@@ -127,7 +128,7 @@ def ensure(directory: Path, config: dict, seed: int = 0, label: str = "") -> tup
                   file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    write_random_container(directory, config, seed=seed, progress=progress)
+    write_random_container(directory, config, family_for(config), seed=seed, progress=progress)
     dt = time.perf_counter() - t0
     print(f"  done in {dt:.1f} s ({need / dt / 1e9:.2f} GB/s including fsync)", file=sys.stderr, flush=True)
     return directory, True, need / dt / 1e9
@@ -135,10 +136,11 @@ def ensure(directory: Path, config: dict, seed: int = 0, label: str = "") -> tup
 
 def main(argv=None) -> int:
     from core.synthetic import container_bytes
+    from models import family_for
 
     for name in (argv if argv is not None else sys.argv[1:]) or list(GEOMETRIES):
         cfg = geometry(name)
-        b = container_bytes(cfg)
+        b = container_bytes(cfg, family_for(cfg))
         print(f"{name}: {LABELS[name]}: {b['total'] / 1e9:.2f} GB ({b['experts'] / 1e9:.2f} GB experts) "
               f"at {default_dir(name)}", flush=True)
         ensure(default_dir(name), cfg, label=LABELS[name])

@@ -163,14 +163,15 @@ def our_container(directory: Path | None, layers: int, vocab: int, seed: int = 0
     ``vocab``-row embedding / lm_head, made once and reused."""
     from benchmarks.streaming import DEFAULT_DIR, OLMOE_GEOMETRY
     from core.synthetic import container_bytes, write_random_container
+    from models import family_for
 
     config = dict(OLMOE_GEOMETRY, num_hidden_layers=layers, vocab_size=vocab)
     directory = directory or DEFAULT_DIR.parent / f"olmoe-geom-{layers}L-v{vocab}"   # beside decode.py's
     if not (directory / "colibri.json").exists():
-        log(f"generating our random container: {container_bytes(config)['total'] / 1e9:.2f} GB "
+        log(f"generating our random container: {container_bytes(config, family_for(config))['total'] / 1e9:.2f} GB "
             f"into {directory}")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    write_random_container(directory, config, seed=seed)   # returns at once when already made
+    write_random_container(directory, config, family_for(config), seed=seed)   # returns at once when already made
     return directory
 
 

@@ -61,11 +61,12 @@ def log(*a) -> None:
 def ensure_container(directory: Path, seed: int) -> tuple[Path, bool, float | None]:
     """(path, made_now, generation GB/s). Reuses a finished container made with these settings."""
     from core.synthetic import container_bytes, write_random_container
+    from models import family_for
 
     if (directory / "colibri.json").exists():
-        write_random_container(directory, OLMOE_GEOMETRY, seed=seed)   # verifies the parameters
+        write_random_container(directory, OLMOE_GEOMETRY, family_for(OLMOE_GEOMETRY), seed=seed)   # verifies the parameters
         return directory, False, None
-    need = container_bytes(OLMOE_GEOMETRY)["total"]
+    need = container_bytes(OLMOE_GEOMETRY, family_for(OLMOE_GEOMETRY))["total"]
     directory.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory.parent).free
     log(f"generating a random OLMoE-geometry container: {need / 1e9:.2f} GB into {directory} "
@@ -78,7 +79,7 @@ def ensure_container(directory: Path, seed: int) -> tuple[Path, bool, float | No
             log(f"  {p.done_bytes / 1e9:5.2f} / {p.total_bytes / 1e9:.2f} GB  {p.shard}")
 
     t0 = time.perf_counter()
-    write_random_container(directory, OLMOE_GEOMETRY, seed=seed, progress=progress)
+    write_random_container(directory, OLMOE_GEOMETRY, family_for(OLMOE_GEOMETRY), seed=seed, progress=progress)
     dt = time.perf_counter() - t0
     log(f"  done in {dt:.1f} s ({need / dt / 1e9:.2f} GB/s including fsync)")
     return directory, True, need / dt / 1e9

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .cache_kinds import KV
 from .errors import ColiError
+from .layout import Layout
 
 
 # KV cache precisions the engine keeps (float16 is opt-in: outputs change slightly). Here, not in
@@ -45,21 +46,19 @@ class ArchSpec:
     rope_partial: bool = False          # the table covers partial_rotary_factor x head_dim
     dense_intermediate: int | None = None    # the default composition's MLP sizes (None: the
     expert_intermediate: int | None = None   #   tensors say, consistently)
-    # where the language model's tensors sit in the checkpoint: {prefix}embed_tokens.weight,
-    # {prefix}layers.N., {prefix}norm.weight (the head is lm_head.weight either way); a composite
-    # image-text checkpoint nests them ("model.language_model.")
-    prefix: str = "model."
     norm_offset: float = 0.0            # the final norm multiplies by weight + this ((1+w) RMSNorm: 1)
     # config.json's language-model part when it nests one (a composite model's text_config: RoPE
     # and the sizes are read there); None: config.json itself
     text_config: dict | None = None
-    # tensor-name prefixes of the checkpoint that are no part of the language model (a vision
-    # tower): the converter leaves them out and says so in the manifest (coli info)
-    dropped: tuple[str, ...] = ()
-    # the routed experts' part names in the checkpoint, (gate, up, down) (Kimi: w1, w3, w2); None:
-    # gate_proj / up_proj / down_proj. The converter records them in the manifest
-    # (``expert_parts``), and the container hands the store each expert keyed by role
-    expert_parts: tuple[str, str, str] | None = None
+    # where its tensors sit in the checkpoint, what the converter sets aside, each tensor's class
+    # (core.layout.Layout: the family's declaration, read by the converter, container, planner,
+    # synthetic checkpoints and the catalog)
+    layout: Layout = field(default_factory=Layout)
+
+    @property
+    def prefix(self) -> str:
+        """The language model's tensors: {prefix}embed_tokens.weight, {prefix}layers.N. ..."""
+        return self.layout.prefix
 
     def __post_init__(self):
         if not self.cache_kinds:            # full attention everywhere unless the family says

@@ -3,33 +3,33 @@
 Tensor names are the source's. A quantized tensor NAME is U8 ``NAME`` + F32 ``NAME.qs`` (see
 ``core.quant``); the manifest's ``tensors`` map gives each quantized tensor's scheme, logical shape
 and group size. Each routed expert's tensors form one contiguous byte range of one shard, so the
-expert store fetches an expert with one read.
+expert store fetches an expert with one read. The routed experts are found by the pattern the
+converter recorded from the family's layout (``expert_pattern``; containers made before it was
+recorded use the default, core.layout.EXPERT_REGEX).
 """
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .errors import ColiError
+from .layout import ExpertPattern, check_recorded_pattern, layer_of
 from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, to_float32
 
 MANIFEST = "colibri.json"
 FORMAT = "colibri"
 FORMAT_VERSION = 1
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+EXPERT_PATTERN_KEY = "expert_pattern"     # the manifest's routed-expert pattern (core.layout)
 
 
-def tensor_place(name: str) -> tuple[int | None, int | None]:
-    """(layer, routed expert) a tensor belongs to, from the Hugging Face naming convention."""
-    lm = _LAYER.search(name)
-    em = _EXPERT.search(name)
-    return (int(lm.group(1)) if lm else None, int(em.group(1)) if em and lm else None)
+def tensor_place(name: str, experts: ExpertPattern = ExpertPattern()) -> tuple[int | None, int | None]:
+    """(layer, routed expert) a tensor belongs to: the layer from ``layers.N.``, the expert by
+    ``experts`` (the Hugging Face convention by default)."""
+    place = experts.place(name)
+    return place if place is not None else (layer_of(name), None)
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,9 @@ class Container:
                 raise ColiError(f"{self.path}: {MANIFEST}: expert_parts must name the gate, up and down "
                                 f"tensors, got {parts!r}")
             self.expert_roles = {v: f"{k}_proj.weight" for k, v in parts.items()}
+        regex = self.manifest.get(EXPERT_PATTERN_KEY)
+        self.expert_pattern = ExpertPattern(check_recorded_pattern(regex, f"{self.path}: {MANIFEST}")
+                                            if regex is not None else ExpertPattern().regex)
         shards = self.manifest.get("shards")
         if not isinstance(shards, list) or not all(isinstance(x, str) and x for x in shards):
             raise ColiError(f"{self.path}: {MANIFEST} has no valid list of shards")
@@ -242,14 +245,15 @@ class Container:
     def _locate_experts(self) -> dict[tuple[int, int], ExpertLocation]:
         found: dict[tuple[int, int], ExpertLocation] = {}
         for name, (f, info) in self.index.items():
-            layer, expert = tensor_place(name)
-            if expert is None:
+            parsed = self.expert_pattern.parse(name)
+            if parsed is None:
                 continue
+            layer, expert, part = parsed
             loc = found.setdefault((layer, expert), ExpertLocation(f, info.start, info.end))
             if loc.shard is not f:
                 raise ColiError(f"{self.path}: expert {layer}/{expert} spans two shards")
             loc.start, loc.end = min(loc.start, info.start), max(loc.end, info.end)
-            loc.parts[name.split(f".experts.{expert}.", 1)[1]] = (name, info)
+            loc.parts[part] = (name, info)
         for (layer, expert), loc in found.items():
             if loc.end - loc.start != sum(i.nbytes for _, i in loc.parts.values()):
                 raise ColiError(f"{self.path}: expert {layer}/{expert} is not contiguous in its shard")

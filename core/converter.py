@@ -8,21 +8,26 @@ with the same parameters skips them; the result is byte-identical to an uninterr
 writer is deterministic). ``colibri.json`` is written last, so a directory without it is never
 mistaken for a finished container. A lock file keeps two converters out of one directory.
 
-Checkpoints as the Hub ships them:
+Checkpoints as the Hub ships them, read through the family's layout (core.layout.Layout):
+* A release's own tensor names are first renamed to the family's (``Layout.renames``).
 * Fused expert tensors (transformers 5's in-memory layout, which some checkpoints are saved in):
   ``...mlp.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
   ``...mlp.experts.down_proj`` [E, H, I] are split into our per-expert tensors
   ``...mlp.experts.E.{gate_proj,up_proj,down_proj}.weight``, read a row block of one expert at a
-  time; the result is byte-identical to converting the same weights given per expert.
+  time; the result is byte-identical to converting the same weights given per expert
+  (``Layout.fused_rules``; a family's own expert parts, Kimi's w1/w3/w2, are the split's names).
 * MTP (multi-token prediction) layers -- ``model.layers.N.*`` with N >= ``num_hidden_layers``, and
-  ``mtp.*`` / ``model.mtp.*`` -- are no part of the language model: they go to shards of their own
-  (``mtp-0000i-of-0000k.safetensors``, quantized with the same classes), listed in the manifest
-  under ``"mtp"`` and not under ``"shards"``, so the engine never opens them; their checksums are
-  recorded with the others. ``drop_mtp`` leaves them out (the manifest still says so).
-* Tensors the family declares no part of the language model (``ArchSpec.dropped``: a composite
+  ``mtp.*`` / ``model.mtp.*`` (``Layout.mtp_group``) -- are no part of the language model: they go
+  to shards of their own (``mtp-0000i-of-0000k.safetensors``, quantized with the same classes),
+  listed in the manifest under ``"mtp"`` and not under ``"shards"``, so the engine never opens
+  them; their checksums are recorded with the others. ``drop_mtp`` leaves them out (the manifest still says so).
+* Tensors the family declares no part of the language model (``Layout.dropped``: a composite
   image-text checkpoint's vision tower, ``model.visual.*``) are left out; the manifest's
   ``"dropped"`` says which prefixes, how many tensors and their source bytes (``coli info``).
   Sizes of a composite checkpoint come from its ``text_config``.
+* Each tensor's class (f32 / int8 / int4 / kept as stored) is the layout's (``Layout.tensor_class``).
+  The manifest records the routed experts' pattern (``expert_pattern``) and, where they are not
+  gate/up/down_proj, their part names (``expert_parts``): the container finds them by these.
 """
 from __future__ import annotations
 
@@ -40,10 +45,11 @@ import psutil
 
 from . import quant
 from .arch import language_config
-from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_place
+from .container import EXPERT_PATTERN_KEY, FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE
 from .errors import ColiError
 from .fileio import atomic_write_text
 from .integrity import ALGORITHM, shard_checksums
+from .layout import EXPERT_PARTS, Layout, layer_of
 from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
@@ -57,29 +63,10 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 FP8_SCALE_SUFFIX = "_scale_inv"
 FP8_BLOCK = 128
 CONVERTER_VERSION = 1
-MTP_KEY = "mtp"                 # the manifest's entry for the MTP layers (see mtp_group)
+MTP_KEY = "mtp"                 # the manifest's entry for the MTP layers (Layout.mtp_group)
 MTP_SHARD_PREFIX = "mtp-"       # their shards: mtp-00001-of-0000k.safetensors
 EXPERT_PARTS_KEY = "expert_parts"   # the routed experts' part names where not gate/up/down_proj
 DROPPED_KEY = "dropped"         # the manifest's entry for tensors no part of the language model
-_FUSED = re.compile(r"^(?P<prefix>.*\.experts\.)(?P<kind>gate_up_proj|down_proj)$")
-_MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_MTP_TOP = re.compile(r"^((?:model\.)?mtp)\.(?:(layers\.\d+)\.)?")
-
-
-def mtp_group(name: str, num_layers: int | None) -> str | None:
-    """The MTP group (shard) a tensor belongs to -- ``model.layers.N`` for N >= ``num_layers``
-    (transformers' ``_keys_to_ignore_on_load_unexpected``: GLM-4.5's layer 46/92, DeepSeek-V3's 61,
-    GLM-5's 78), ``mtp.layers.K`` / ``mtp`` (and ``model.mtp...``) for a top-level MTP module --
-    or None for a tensor of the language model."""
-    m = _MTP_LAYER.match(name)
-    if m:
-        n = int(m.group(1))
-        return f"model.layers.{n}" if isinstance(num_layers, int) and n >= num_layers else None
-    m = _MTP_TOP.match(name)
-    if m:
-        return m.group(1) + (f".{m.group(2)}" if m.group(2) else "")
-    return None
-
 
 @dataclass
 class Progress:
@@ -102,12 +89,18 @@ class _Source:
     fused: str | None = None
     expert: int = 0
     row0: int = 0
+    stored: str = ""                  # the name in the file where the layout renamed it
+
+    @property
+    def key(self) -> str:
+        """The tensor's name in its file."""
+        return self.stored or self.name
 
     @property
     def nbytes(self) -> int:
         if self.fused is not None:
             return int(np.prod(self.shape)) * DTYPES[self.dtype].itemsize
-        return self.file.tensors[self.name].nbytes
+        return self.file.tensors[self.key].nbytes
 
 
 @dataclass
@@ -177,27 +170,34 @@ def _open_sources(src: Path) -> list[SafetensorsFile]:
     return [SafetensorsFile(p) for p in paths]
 
 
-def _gather(files: list[SafetensorsFile]) -> dict[str, _Source]:
+def _gather(files: list[SafetensorsFile], layout: Layout) -> dict[str, _Source]:
+    """Every tensor of the checkpoint under the family's name (``layout.renames``), FP8 block
+    scales attached to their weights."""
     sources: dict[str, _Source] = {}
+    scales = []
     for f in files:
-        for name, info in f.tensors.items():
+        for stored, info in f.tensors.items():
+            name = layout.rename(stored)
             if name.endswith(FP8_SCALE_SUFFIX):
+                scales.append((f, stored, name))
                 continue
-            sources[name] = _Source(name, f, info.dtype, info.shape)
-    for f in files:
-        for name in f.tensors:
-            if name.endswith(FP8_SCALE_SUFFIX):
-                owner = name[: -len(FP8_SCALE_SUFFIX)]
-                if owner not in sources:
-                    raise ColiError(f"{f.path.name}: scale {name} has no weight {owner}")
-                sources[owner].scale_inv = name
+            other = sources.get(name)
+            if other is not None and (stored != name or other.key != name):
+                raise ColiError(f"{f.path.name}: tensors {other.key} and {stored} are both renamed {name} "
+                                f"by the family's layout")
+            sources[name] = _Source(name, f, info.dtype, info.shape, stored="" if stored == name else stored)
+    for f, stored, name in scales:
+        owner = name[: -len(FP8_SCALE_SUFFIX)]
+        if owner not in sources:
+            raise ColiError(f"{f.path.name}: scale {stored} has no weight {owner}")
+        sources[owner].scale_inv = stored
     return sources
 
 
 def _stored_rows(src: _Source, r0: int, r1: int) -> np.ndarray:
     """Stored elements of rows [r0, r1) of a source tensor (of its slice of a fused tensor)."""
     if src.fused is None:
-        return src.file.raw(src.name, r0, r1)
+        return src.file.raw(src.key, r0, r1)
     t = src.file.tensors[src.fused]
     dt = DTYPES[t.dtype]
     rows, cols = t.shape[1], t.shape[2]
@@ -228,24 +228,33 @@ def _expert_count(config: dict) -> int | None:
     return None
 
 
-def _split_fused(sources: dict[str, _Source], config: dict, files_by_name) -> dict[str, _Source]:
-    """Replace each fused 3-D expert tensor by its per-expert slices (no bytes are read)."""
+def _split_fused(sources: dict[str, _Source], config: dict, files_by_name,
+                 layout: Layout) -> dict[str, _Source]:
+    """Replace each fused 3-D expert tensor (``layout.fused_rules``) by its per-expert slices (no
+    bytes are read)."""
     H = config.get("hidden_size")
     E = _expert_count(config)
+    rules = {r.name: (i, r) for i, r in enumerate(layout.fused_rules)}
+    fused_re = re.compile(rf"^(?P<prefix>.*\.experts\.)(?P<kind>{'|'.join(map(re.escape, rules))})$")
+    fused = {n: m for n in sources if (m := fused_re.match(n))}
     odd = next((n for n, s in sources.items() if len(s.shape) == 3 and ".experts." in n
-                and not _FUSED.match(n)), None)
+                and n not in fused), None)
     if odd is not None:      # e.g. a `.weight`-suffixed fused tensor: no checkpoint we know has one
+        known = " and ".join(f"...experts.{r.name} {_fused_shape(r)}" for _, r in rules.values())
         raise ColiError(f"{sources[odd].file.path.name}: 3-D expert tensor {odd} "
                         f"{list(sources[odd].shape)} is in no layout colibrì knows (fused experts are "
-                        f"read as ...experts.gate_up_proj [E, 2I, H] and ...experts.down_proj [E, H, I])")
-    out = {n: s for n, s in sources.items() if not _FUSED.match(n)}
+                        f"read as {known})")
+    out = {n: s for n, s in sources.items() if n not in fused}
     inter: dict[str, tuple[int, int, str]] = {}     # prefix -> (experts, intermediate, tensor)
-    fused = [n for n in sources if _FUSED.match(n)]      # each prefix's gate_up_proj first
-    for name in sorted(fused, key=lambda n: (_FUSED.match(n).group("prefix"), not n.endswith("gate_up_proj"))):
+    # each prefix's tensors in the rules' order
+    for name, m in sorted(fused.items(), key=lambda nm: (nm[1]["prefix"], rules[nm[1]["kind"]][0])):
         s = sources[name]
-        prefix, kind = _FUSED.match(name).group("prefix", "kind")
-        gate_up = kind == "gate_up_proj"
-        want = "[experts, 2 x intermediate, hidden]" if gate_up else "[experts, hidden, intermediate]"
+        prefix, kind = m.group("prefix", "kind")
+        rule = rules[kind][1]
+        k = len(rule.parts)
+        many = f"{k} x " if k > 1 else ""
+        want = (f"[experts, {many}intermediate, hidden]" if rule.hidden_in
+                else "[experts, hidden, intermediate]")
 
         def bad(why: str) -> ColiError:
             return ColiError(f"{s.file.path.name}: fused expert tensor {name} {why}")
@@ -254,13 +263,13 @@ def _split_fused(sources: dict[str, _Source], config: dict, files_by_name) -> di
         if s.dtype not in FLOAT_DTYPES:
             raise bad(f"has dtype {s.dtype}, not a floating-point type")
         e, rows, cols = s.shape
-        i_size = rows // 2 if gate_up else cols
-        h_size = cols if gate_up else rows
-        if (gate_up and rows % 2) or (isinstance(H, int) and h_size != H) or (E is not None and e != E) \
+        i_size = rows // k if rule.hidden_in else cols
+        h_size = cols if rule.hidden_in else rows
+        if (rows % k) or (isinstance(H, int) and h_size != H) or (E is not None and e != E) \
                 or i_size == 0:
             raise bad(f"has shape {list(s.shape)}, but the config needs {want} = "
-                      f"[{E if E is not None else 'E'}, {'2 x I' if gate_up else H}, "
-                      f"{H if gate_up else 'I'}] (hidden_size {H}, {E} experts)")
+                      f"[{E if E is not None else 'E'}, {f'{many}I' if rule.hidden_in else H}, "
+                      f"{H if rule.hidden_in else 'I'}] (hidden_size {H}, {E} experts)")
         seen = inter.setdefault(prefix, (e, i_size, name))
         if seen[:2] != (e, i_size):
             raise bad(f"has shape {list(s.shape)}, which disagrees with {seen[2]} "
@@ -270,28 +279,34 @@ def _split_fused(sources: dict[str, _Source], config: dict, files_by_name) -> di
                 raise bad(f"has block scales ({s.scale_inv}) but dtype {s.dtype}, not F8_E4M3")
             got = files_by_name[s.scale_inv].tensors[s.scale_inv]
             need = (e, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-            if tuple(got.shape) != need or (gate_up and i_size % FP8_BLOCK):
+            if tuple(got.shape) != need or (k > 1 and i_size % FP8_BLOCK):
                 raise bad(f"is FP8 with scales {s.scale_inv} {list(got.shape)}: only the layout of "
                           f"transformers' fused FP8 experts, scales {list(need)} of {FP8_BLOCK}x"
                           f"{FP8_BLOCK} blocks with an intermediate size divisible by {FP8_BLOCK}, "
                           f"is understood; convert a per-expert or BF16 checkpoint instead")
-        parts = (("gate_proj", 0), ("up_proj", i_size)) if gate_up else (("down_proj", 0),)
         for x in range(e):
-            for part, row0 in parts:
+            for j, part in enumerate(rule.parts):
                 target = f"{prefix}{x}.{part}.weight"
                 if target in out:
                     raise bad(f"holds expert {x}'s {part}, which {target} gives as well")
                 out[target] = _Source(target, s.file, s.dtype,
-                                      (i_size if gate_up else h_size, cols), s.scale_inv,
-                                      fused=name, expert=x, row0=row0)
+                                      (i_size if rule.hidden_in else h_size, cols), s.scale_inv,
+                                      fused=s.key, expert=x, row0=j * i_size)
     return out
 
 
-def _plan(sources: dict[str, _Source], bits: int,
-          mtp: dict[str, str] | None = None) -> list[tuple[str, list[_Out]]]:
+def _fused_shape(rule) -> str:
+    """A fused expert tensor's shape, in words: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    k = len(rule.parts)
+    return f"[E, {k if k > 1 else ''}I, H]" if rule.hidden_in else "[E, H, I]"
+
+
+def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = None,
+          layout: Layout = Layout()) -> list[tuple[str, list[_Out]]]:
     """Output shards in order: one per decoder layer, then everything else, then one per MTP group
-    (``mtp``: tensor name -> group, see ``mtp_group``). Within a shard, the dense tensors by name,
-    then each routed expert's tensors together."""
+    (``mtp``: tensor name -> group, see ``Layout.mtp_group``). Within a shard, the dense tensors by
+    name, then each routed expert's tensors together (``layout.experts``); each tensor's scheme
+    from its class (``layout.tensor_class``)."""
     mtp = mtp or {}
     by_layer: dict[int | None, list[_Out]] = {}
     by_group: dict[str, list[_Out]] = {}
@@ -300,33 +315,32 @@ def _plan(sources: dict[str, _Source], bits: int,
         if s.dtype not in FLOAT_DTYPES and bits != 16:
             scheme = "keep"
         else:
-            scheme = quant.scheme_for(name, len(s.shape), bits)
+            scheme = quant.scheme_at(layout.tensor_class(name, len(s.shape)), bits)
         if s.scale_inv is not None and bits == 16:
             scheme = "f32"   # FP8 with block scales: widened exactly (scale applied) at --bits 16
         if name in mtp:
             by_group.setdefault(mtp[name], []).append(_Out(s, scheme))
             continue
-        layer, _ = tensor_place(name)
-        by_layer.setdefault(layer, []).append(_Out(s, scheme))
+        by_layer.setdefault(layer_of(name), []).append(_Out(s, scheme))
 
     def order(o: _Out):
-        layer, expert = tensor_place(o.source.name)
-        return (expert is not None, expert or 0, o.source.name)
+        place = layout.experts.place(o.source.name)
+        return (place is not None, place[1] if place else 0, o.source.name)
 
     layers = sorted(k for k in by_layer if k is not None)
     width = max(3, len(str(max(layers, default=0))))
     plan = [(f"layer-{k:0{width}d}.safetensors", sorted(by_layer[k], key=order)) for k in layers]
     if None in by_layer:
         plan.append(("model-other.safetensors", sorted(by_layer[None], key=order)))
-    groups = sorted(by_group, key=_group_key)
+    groups = sorted(by_group, key=lambda g: _group_key(g, layout.prefix))
     plan += [(f"{MTP_SHARD_PREFIX}{i + 1:05d}-of-{len(groups):05d}.safetensors",
               sorted(by_group[g], key=order)) for i, g in enumerate(groups)]
     return plan
 
 
-def _group_key(group: str):
+def _group_key(group: str, prefix: str = "model."):
     m = re.search(r"layers\.(\d+)$", group)
-    return (not group.startswith("model.layers."), group.rsplit(".layers.", 1)[0] if m else group,
+    return (not group.startswith(prefix + "layers."), group.rsplit(".layers.", 1)[0] if m else group,
             int(m.group(1)) if m else -1)
 
 
@@ -341,10 +355,10 @@ def _convert_tensor(w: SafetensorsWriter, o: _Out, group_size: int, files_by_nam
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         if o.scheme == "keep" and s.scale_inv is None and not s.dtype.startswith("F8_"):
-            block = _stored_rows(s, r0, r1) if len(s.shape) >= 2 else s.file.raw(s.name)
+            block = _stored_rows(s, r0, r1) if len(s.shape) >= 2 else s.file.raw(s.key)
             w.write(s.name, block, r0 * block.nbytes // max(1, r1 - r0))
         elif len(s.shape) < 2:
-            w.write(s.name, s.file.float32(s.name))
+            w.write(s.name, s.file.float32(s.key))
         else:
             x = _read_rows(s, files_by_name, r0, r1).reshape(r1 - r0, cols)
             if o.scheme == "int4":
@@ -412,14 +426,14 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
         raise ColiError(f"the output {out} is or contains the source {src}; choose another directory")
     config = load_config(src)
     spec = validate_config(config) if validate_config is not None else None
-    # what the family says is no part of the language model (a vision tower): left out
-    drop = tuple(getattr(spec, "dropped", ()) or ())
+    layout = getattr(spec, "layout", None) or Layout()     # the family's (no family: the default)
+    drop = layout.dropped          # no part of the language model (a vision tower): left out
     text = language_config(config)       # a composite model's sizes are its text_config's
     _check_side_files(src)
     files = _open_sources(src)
     try:
         files_by_name = {n: f for f in files for n in f.tensors}
-        gathered = _gather(files)
+        gathered = _gather(files, layout)
         left_out = sorted(n for n in gathered if drop and n.startswith(drop))
         dropped_entry = None
         if left_out:
@@ -427,9 +441,9 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
                              "tensors": len(left_out),
                              "source_bytes": sum(gathered[n].nbytes for n in left_out)}
             gathered = {n: s for n, s in gathered.items() if n not in set(left_out)}
-        sources = _split_fused(gathered, text, files_by_name)
+        sources = _split_fused(gathered, text, files_by_name, layout)
         num_layers = text.get("num_hidden_layers")
-        mtp = {n: g for n in sources if (g := mtp_group(n, num_layers)) is not None}
+        mtp = {n: g for n in sources if (g := layout.mtp_group(n, num_layers)) is not None}
         if validate_config is not None:   # the weights against the config, before any writing
             validate_config(config, {n: s.shape for n, s in sources.items() if n not in mtp})
     except BaseException:
@@ -438,16 +452,16 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
         raise
     mtp_entry = None
     if mtp:
-        groups = sorted(set(mtp.values()), key=_group_key)
+        groups = sorted(set(mtp.values()), key=lambda g: _group_key(g, layout.prefix))
         mtp_entry = {"dropped": bool(drop_mtp), "groups": groups,
                      "layers": sorted({int(g.rsplit(".", 1)[1]) for g in groups
-                                       if g.startswith("model.layers.")}),
+                                       if g.startswith(layout.prefix + "layers.")}),
                      "source_bytes": sum(sources[n].nbytes for n in mtp)}
         if drop_mtp:
             mtp_entry["tensors"] = len(mtp)
             sources = {n: s for n, s in sources.items() if n not in mtp}
             mtp = {}
-    plan = _plan(sources, bits, mtp)
+    plan = _plan(sources, bits, mtp, layout)
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}
@@ -457,9 +471,7 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
         params["dropped"] = dropped_entry["prefixes"]
 
     extra = {DROPPED_KEY: dropped_entry} if dropped_entry else {}
-    parts = getattr(spec, "expert_parts", None)
-    if parts:       # the family's own expert part names (gate, up, down), for the container
-        extra[EXPERT_PARTS_KEY] = dict(zip(("gate", "up", "down"), (f"{n}.weight" for n in parts)))
+    extra.update(expert_entries(layout))
 
     def copy_side_files(out: Path) -> None:
         for fname in COPIED_FILES:
@@ -477,6 +489,15 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
     finally:
         for f in files:
             f.close()
+
+
+def expert_entries(layout: Layout) -> dict:
+    """What the manifest records of the routed experts, for the container: their pattern, and
+    their part names (gate, up, down) where the family has its own."""
+    out = {EXPERT_PATTERN_KEY: layout.experts.regex}
+    if layout.experts.parts != EXPERT_PARTS:
+        out[EXPERT_PARTS_KEY] = dict(zip(("gate", "up", "down"), (f"{n}.weight" for n in layout.experts.parts)))
+    return out
 
 
 def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]], bits: int,

@@ -26,10 +26,10 @@ copy (no arithmetic on the weights), reusing the converter's planner and writer
 (``core.converter.write_container``): the same shard layout, experts contiguous, checksums,
 temp-file shards, resumable, lock, manifest last.
 
-Shapes come only from ``core.synthetic.tensor_shapes(config)`` (the family's tensor layout); an
+Shapes come only from ``core.synthetic.checkpoint_shapes`` (the family's tensor layout); an
 MTP layer's tensors take the shape of the same tensor in a decoder layer. The MTP head (out-mtp-*,
 ``model.layers.{num_hidden_layers}.*``) goes where the converter puts MTP layers
-(``core.converter.mtp_group``): ``mtp-*`` shards listed under the manifest's ``"mtp"``, not under
+(``core.layout.Layout.mtp_group``): ``mtp-*`` shards listed under the manifest's ``"mtp"``, not under
 ``"shards"``, so the engine never opens them. A tensor whose shape the layout does not give (the
 MTP's ``eh_proj``/``enorm``/``hnorm``/``shared_head``; the DSA indexer while no family lists it) is
 copied with its stored dtype and 1-D shape (``NAME`` and ``NAME.qs`` as they are) and named in the
@@ -47,15 +47,11 @@ from typing import Callable
 
 import numpy as np
 
-from .container import MANIFEST, MAX_GROUP_SIZE, tensor_place
-from .converter import (COPIED_FILES, Progress, _check_side_files, _Out, _plan, _Source,
-                        load_config, write_container)
-
-try:                                   # the converter's MTP shards (set aside, never loaded)
-    from .converter import _group_key, mtp_group
-except ImportError:                    # a converter that keeps MTP layers as layers
-    mtp_group = None
+from .container import MANIFEST, MAX_GROUP_SIZE
+from .converter import (COPIED_FILES, Progress, _check_side_files, _group_key, _Out, _plan, _Source,
+                        expert_entries, load_config, write_container)
 from .errors import ColiError
+from .layout import Layout, layer_of
 from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, TensorInfo
 
 IMPORTER_VERSION = 1
@@ -163,7 +159,7 @@ def _shape_for(name: str, shapes: dict[str, tuple[int, ...]],
     decoder layer) the same tensor of any decoder layer; None when the layout does not say."""
     if name in shapes:
         return shapes[name]
-    layer, _ = tensor_place(name)
+    layer = layer_of(name)
     if layer is None:
         return None
     return by_suffix.get(name.split(f"layers.{layer}.", 1)[1])
@@ -177,11 +173,12 @@ def _copy(w: SafetensorsWriter, name: str, f: SafetensorsFile, info: TensorInfo,
         report(n)
 
 
-def import_colibri(src: str | Path, out: str | Path, group_size: int = 64,
-                   validate_config: Callable | None = None,
+def import_colibri(src: str | Path, out: str | Path, validate_config: Callable, group_size: int = 64,
                    progress: Callable[[Progress], None] | None = None) -> Path:
-    """Import the C engine's container ``src`` into our container ``out`` (bytes copied)."""
-    from .synthetic import tensor_shapes
+    """Import the C engine's container ``src`` into our container ``out`` (bytes copied).
+    ``validate_config`` (models.validate_config) reads the config into the family's ArchSpec:
+    its layout gives the tensors' shapes and what is set aside."""
+    from .synthetic import checkpoint_shapes
     src, out = Path(src), Path(out)
     if group_size < 2 or group_size % 2 or group_size > MAX_GROUP_SIZE:
         raise ColiError(f"--group-size must be an even number in 2..{MAX_GROUP_SIZE}, not {group_size}")
@@ -195,14 +192,13 @@ def import_colibri(src: str | Path, out: str | Path, group_size: int = 64,
         raise ColiError(f"the output {out} is or contains the source {src}; choose another directory")
     paths = _shard_files(src)
     config = load_config(src)
-    if validate_config is not None:
-        validate_config(config)
+    spec = validate_config(config)
     _check_side_files(src)
     files: list[SafetensorsFile] = []
     try:
         for p in paths:
             files.append(SafetensorsFile(p))
-        return _import(src, out, config, files, group_size, tensor_shapes(config),
+        return _import(src, out, config, files, group_size, checkpoint_shapes(spec), spec.layout,
                        validate_config, progress)
     finally:
         for f in files:
@@ -210,7 +206,7 @@ def import_colibri(src: str | Path, out: str | Path, group_size: int = 64,
 
 
 def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], group_size: int,
-            shapes: dict[str, tuple[int, ...]], validate_config, progress) -> Path:
+            shapes: dict[str, tuple[int, ...]], layout: Layout, validate_config, progress) -> Path:
     where = str(src)
     stored: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
     for f in files:
@@ -244,7 +240,7 @@ def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], gr
         tensors[name] = _Tensor(name, f, info, s[1] if s else None, s[0] if s else None)
     num_layers = config.get("num_hidden_layers")
     by_suffix = {n.split(f"layers.{layer}.", 1)[1]: s for n, s in shapes.items()
-                 for layer in [tensor_place(n)[0]] if layer is not None}
+                 for layer in [layer_of(n)] if layer is not None}
     # output tensor name -> (source file, stored info); the plan's sources, what MTP group each is in
     copies: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
     sources: dict[str, _Source] = {}
@@ -253,7 +249,7 @@ def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], gr
     as_stored: list[str] = []
     for name in sorted(tensors):
         t = tensors[name]
-        group = mtp_group(name, num_layers) if mtp_group is not None else None
+        group = layout.mtp_group(name, num_layers)
         if group is None and t.file.path.name.startswith(_KINDS["mtp"]):
             group = "mtp"                 # an out-mtp-* tensor whatever its name
         t.shape = _shape_for(name, shapes, by_suffix)
@@ -272,13 +268,12 @@ def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], gr
             copies[out_name] = (f, info)
             if out_name == name and t.scales is not None and t.shape is not None:
                 copies[out_name + ".qs"] = (t.scales_file, t.scales)
-            if group is not None and mtp_group is not None:
+            if group is not None:
                 mtp[out_name] = group
     loaded = {n: t for n, t in tensors.items() if n not in mtp}
-    if validate_config is not None:      # the family's own check of the shapes we give
-        validate_config(config, {n: t.shape for n, t in loaded.items() if t.shape is not None})
+    validate_config(config, {n: t.shape for n, t in loaded.items() if t.shape is not None})
 
-    plan = _plan(sources, 16, mtp) if mtp else _plan(sources, 16)
+    plan = _plan(sources, 16, mtp, layout)
     for _, outs in plan:                 # bits 16 above: every scheme is set here
         for o in outs:
             o.scheme = schemes[o.source.name]
@@ -290,7 +285,8 @@ def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], gr
     extra: dict = {"imported_from": {"format": SOURCE_FORMAT, "source": str(src.resolve()),
                                      "as_stored": as_stored},
                    "classes": _classes({n: t for n, t in loaded.items() if t.shape is not None},
-                                       group_size)}
+                                       group_size, layout),
+                   **expert_entries(layout)}
 
     def nbytes(name: str) -> int:
         return copies[name][1].nbytes + (copies[name + ".qs"][1].nbytes
@@ -298,10 +294,10 @@ def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], gr
 
     more = {}
     if mtp:                              # as the converter records the MTP layers it sets aside
-        groups = sorted(set(mtp.values()), key=_group_key)
+        groups = sorted(set(mtp.values()), key=lambda g: _group_key(g, layout.prefix))
         more["mtp"] = {"dropped": False, "groups": groups,
                        "layers": sorted({int(g.rsplit(".", 1)[1]) for g in groups
-                                         if g.startswith("model.layers.")}),
+                                         if g.startswith(layout.prefix + "layers.")}),
                        "source_bytes": sum(nbytes(n) for n in mtp)}
 
     def write_tensor(w: SafetensorsWriter, o: _Out, report) -> None:
@@ -322,17 +318,16 @@ def _import(src: Path, out: Path, config: dict, files: list[SafetensorsFile], gr
                            finalize=finalize, progress=progress, manifest_extra=extra, **more)
 
 
-def _classes(loaded: dict[str, _Tensor], group_size: int) -> dict[str, str]:
+def _classes(loaded: dict[str, _Tensor], group_size: int, layout: Layout) -> dict[str, str]:
     """What the manifest's ``classes`` says: each class's schemes as found in the source."""
     def kind(name: str) -> str:
-        _, expert = tensor_place(name)
-        if expert is not None:
+        if layout.experts.place(name) is not None:
             return "routed_experts"
         if "shared_expert" in name:
             return "shared_experts"
-        if "embed_tokens" in name:
+        if name == layout.embed_name:
             return "embeddings"
-        if "lm_head" in name:
+        if name == layout.head:
             return "lm_head"
         if "self_attn" in name and name.endswith("proj.weight"):
             return "attention"

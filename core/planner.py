@@ -92,16 +92,15 @@ def dense_ram_bytes(container: Container, spec: ArchSpec | None = None) -> int:
     """Bytes the dense weights take once loaded (16-bit floats are widened to float32). With the
     spec: an untied embedding the engine reads row by row from the file (Container.load_rows:
     quantized or float32) is left out."""
-    from .container import tensor_place
     on_disk = None
     if spec is not None and not spec.tie_word_embeddings:
-        name = spec.prefix + "embed_tokens.weight"
+        name = spec.layout.embed_name
         info = container.index.get(name, (None, None))[1]
         if info is not None and len(info.shape) == 2 and (name in container.quant or info.dtype == "F32"):
             on_disk = name
     total = 0
     for name, (_, info) in container.index.items():
-        if tensor_place(name)[1] is not None or name == on_disk:
+        if container.expert_pattern.place(name) is not None or name == on_disk:
             continue
         widen = 4 // DTYPES[info.dtype].itemsize if info.dtype in ("BF16", "F16") else 1
         total += info.nbytes * widen

@@ -77,22 +77,35 @@ def matmul_int8_ref(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndar
 
 
 # --- which scheme each tensor gets at conversion -------------------------------------------------
-# colibrì's defaults: routed/shared experts and attention (every other 2-D weight) at int4 gs64,
-# embeddings and lm_head int8 per row, norms / router / biases F32. ``--bits 8`` puts the int4
-# class at int8; ``--bits 16`` quantizes nothing and keeps every source dtype. The DSA indexer's
-# per-head weights stay F32 as transformers keeps them (``_keep_in_fp32_modules``): they decide
-# which positions attention sees.
-_F32_SUFFIXES = ("norm.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight",
-                 "shared_expert_gate.weight", "indexer.weights_proj.weight")
-_INT8_PARTS = ("embed_tokens", "lm_head")
+# A tensor's class is its family's to say (core.layout.Layout.tensor_class); this is the default
+# it starts from. colibrì's defaults: routed/shared experts and attention (every other 2-D weight)
+# at int4 gs64, embeddings and the head int8 per row, norms, routers, gates and biases F32.
+# ``--bits 8`` puts the int4 class at int8; ``--bits 16`` quantizes nothing and keeps every source
+# dtype. A router or a gate (a matrix named ``...gate`` / ``...router``, never ``gate_proj``)
+# decides which experts run, or how much of a branch passes: it stays F32.
+F32, INT8, INT4, KEEP = "f32", "int8", "int4", "keep"
+INT8_PARTS = ("embed_tokens", "lm_head")
 
 
-def scheme_for(name: str, ndim: int, bits: int) -> str:
-    """'int4' | 'int8' | 'f32' | 'keep' for one source tensor."""
+def default_class(name: str, ndim: int, f32: tuple[str, ...] = (),
+                  int8: tuple[str, ...] = INT8_PARTS) -> str:
+    """'f32' | 'int8' | 'int4' for one tensor: ``f32`` names (suffixes) a family keeps F32 besides
+    norms, routers and gates; ``int8``, parts of the names of its embedding and head."""
+    module = name.rsplit(".", 2)[-2] if "." in name else name
+    if ndim != 2 or name.endswith(f32) or "norm" in module or module.endswith(("gate", "router")):
+        return F32
+    if any(part in name for part in int8):
+        return INT8
+    return INT4
+
+
+def scheme_at(cls: str, bits: int) -> str:
+    """The scheme a tensor of class ``cls`` is stored in at ``--bits``."""
     if bits == 16:
-        return "keep"
-    if ndim != 2 or name.endswith(_F32_SUFFIXES) or "norm" in name.rsplit(".", 2)[-2]:
-        return "f32"
-    if any(part in name for part in _INT8_PARTS):
-        return "int8"
-    return "int4" if bits == 4 else "int8"
+        return KEEP
+    return INT8 if cls == INT4 and bits == 8 else cls
+
+
+def scheme_for(name: str, ndim: int, bits: int, f32: tuple[str, ...] = ()) -> str:
+    """'int4' | 'int8' | 'f32' | 'keep' for one source tensor of the default class."""
+    return scheme_at(default_class(name, ndim, f32), bits)

@@ -1,12 +1,14 @@
 """Random-weight containers written directly (no transformers, no Hugging Face source).
 
-``write_random_container(out, config)`` produces the same directory ``coli convert`` would
+``write_random_container(out, config, family)`` produces the same directory ``coli convert`` would
 produce from a checkpoint of that ``config``: the same shards (one per decoder layer plus
 ``model-other.safetensors``), the same tensor order inside each shard (dense tensors by name, then
 each routed expert's tensors as one contiguous byte range), the same per-class schemes (experts,
 attention and dense MLPs int4-g64 or int8 at ``bits=8``; embeddings and lm_head int8 per row;
 norms, router and biases F32) and the same ``colibri.json`` manifest. The layout is computed with
-the converter's own planner, so the two cannot drift apart.
+the converter's own planner and the family's layout (``family.spec(config)``: its tensors, their
+classes), so the two cannot drift apart. The family is a parameter, as the converter's
+``validate_config`` is: core never imports the families.
 
 It is meant for benchmarks and tests at real geometry without downloading a model:
 
@@ -38,8 +40,9 @@ import numpy as np
 
 from . import quant
 # the converter's own planner and writer, so that the layout cannot drift from `coli convert`
-from .converter import CONVERTER_VERSION, Progress, _Out, _plan, _Source, write_container
+from .converter import CONVERTER_VERSION, Progress, _Out, _plan, _Source, expert_entries, write_container
 from .errors import ColiError
+from .layout import expected_tensors
 from .safetensors_io import SafetensorsWriter
 
 GENERATOR_VERSION = 2
@@ -56,25 +59,14 @@ _U1, _U2 = np.uint64(1), np.uint64(2)
 
 
 # --- which tensors a config has --------------------------------------------------------------------
-def _reader(config: dict):
-    """The family's config reader (transformers defaults for absent fields) and its ArchSpec."""
-    import importlib
-
-    from models.registry import family_for, validate_config   # lazy: models imports core
-    from core.arch import ConfigReader
-
-    validate_config(config)
-    fam = family_for(config)
-    mod = importlib.import_module(fam.__module__)
-    r = ConfigReader(fam.model_type, config, getattr(mod, "DEFAULTS", {}), getattr(mod, "ALIASES", {}))
-    return r, fam.spec(config)
-
-
-def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(config: dict, family) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape of the checkpoint ``config`` describes: the family's
     own layout (core.layout.expected_tensors), biases where the config has them."""
-    from core.layout import expected_tensors
-    _, spec = _reader(config)
+    return checkpoint_shapes(family.spec(config))
+
+
+def checkpoint_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """tensor_shapes for an ArchSpec."""
     out = {}
     for need in expected_tensors(spec):
         if need.synthetic:
@@ -84,20 +76,25 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def plan(config: dict, bits: int = 4) -> list[tuple[str, list[_Out]]]:
+def _plan_spec(spec, bits: int) -> list[tuple[str, list[_Out]]]:
+    sources = {n: _Source(n, None, "F32", s) for n, s in checkpoint_shapes(spec).items()}
+    return _plan(sources, bits, layout=spec.layout)
+
+
+def plan(config: dict, family, bits: int = 4) -> list[tuple[str, list[_Out]]]:
     """The converter's shard plan for a checkpoint of ``config`` (float32 sources)."""
-    sources = {n: _Source(n, None, "F32", s) for n, s in tensor_shapes(config).items()}
-    return _plan(sources, bits)
+    return _plan_spec(family.spec(config), bits)
 
 
-def container_bytes(config: dict, bits: int = 4, group_size: int = 64) -> dict[str, int]:
+def container_bytes(config: dict, family, bits: int = 4, group_size: int = 64) -> dict[str, int]:
     """Planned bytes: {'total': ..., 'experts': ...} (tensor data, headers excluded)."""
+    spec = family.spec(config)
     total = experts = 0
-    for _, outs in plan(config, bits):
+    for _, outs in _plan_spec(spec, bits):
         for o in outs:
             n = SafetensorsWriter.planned_size(o.entries(group_size))
             total += n
-            if ".experts." in o.source.name:
+            if spec.layout.experts.place(o.source.name) is not None:
                 experts += n
     return {"total": total, "experts": experts}
 
@@ -150,12 +147,12 @@ def _int8_codes(rng: np.random.Generator, nbytes: int, sc: _Scratch) -> np.ndarr
 _RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")   # projections that write the residual
 
 
-def _target_std(name: str, shape: tuple[int, ...], num_layers: int) -> float:
+def _target_std(name: str, shape: tuple[int, ...], num_layers: int, embed: str) -> float:
     """Weight std: 1/sqrt(fan_in) keeps activations at unit scale; the projections into the
     residual stream get GPT-2's extra 1/sqrt(2·layers), so the stream stays dominated by the
     token (not by the sum of random layer outputs): otherwise a deep random model forgets its
     input and greedy decoding falls into one or two repeated tokens."""
-    if "embed_tokens" in name:
+    if name == embed:
         return EMBED_STD
     std = 1.0 / np.sqrt(shape[1])
     if name.endswith(_RESIDUAL_OUT):
@@ -164,12 +161,12 @@ def _target_std(name: str, shape: tuple[int, ...], num_layers: int) -> float:
 
 
 def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc: _Scratch,
-                  num_layers: int) -> None:
+                  num_layers: int, embed: str) -> None:
     name, shape, scheme = o.source.name, o.source.shape, o.scheme
     crng, srng = _rngs(seed, name)
     if scheme in ("int4", "int8"):
         rows, cols = shape
-        std = _target_std(name, shape, num_layers)
+        std = _target_std(name, shape, num_layers, embed)
         if scheme == "int4":
             (_, row_bytes), (_, groups) = quant.int4_shapes(rows, cols, group_size)
             codes, base, jitter = _int4_codes, std / _INT4_CODE_RMS, 0.25
@@ -203,9 +200,10 @@ def _write_tensor(w: SafetensorsWriter, o: _Out, group_size: int, seed: int, sc:
 
 
 # --- the container ---------------------------------------------------------------------------------
-def write_random_container(out: str | Path, config: dict, bits: int = 4, group_size: int = 64,
+def write_random_container(out: str | Path, config: dict, family, bits: int = 4, group_size: int = 64,
                            seed: int = 0, progress: Callable[[Progress], None] | None = None) -> Path:
-    """Write a random-weight container for ``config`` (any supported family: its layout names the tensors) at ``out``.
+    """Write a random-weight container for ``config`` at ``out``; ``family`` (models.family_for:
+    what reads the config into an ArchSpec) gives its layout: the tensors and their classes.
 
     Rerunning with the same arguments on a finished container returns at once; on an interrupted
     one it resumes from the last complete shard. Other arguments on an existing container are
@@ -217,13 +215,14 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
         raise ColiError(f"group_size must be an even number >= 2, not {group_size}")
     if not isinstance(config, dict) or "model_type" not in config:
         raise ColiError("config must be a dict with a model_type")
-    shards = plan(config, bits)
+    spec = family.spec(config)
+    shards = _plan_spec(spec, bits)
     config_text = json.dumps(config, indent=1, sort_keys=True) + "\n"
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": "synthetic", "seed": int(seed), "generator_version": GENERATOR_VERSION,
               "config_crc32": zlib.crc32(config_text.encode())}
     scratch = _Scratch()
-    num_layers = _reader(config)[1].num_layers
+    num_layers, embed = spec.num_layers, spec.layout.embed_name
 
     def side_files(out: Path) -> None:
         (out / "config.json").write_text(config_text)
@@ -231,7 +230,7 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
         (out / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
 
     def write_tensor(w, o, report) -> None:
-        _write_tensor(w, o, group_size, seed, scratch, num_layers)
+        _write_tensor(w, o, group_size, seed, scratch, num_layers, embed)
         report(SafetensorsWriter.planned_size(o.entries(group_size)))
 
     return write_container(
@@ -240,7 +239,8 @@ def write_random_container(out: str | Path, config: dict, bits: int = 4, group_s
         progress=progress,
         manifest_extra={"synthetic": {"seed": int(seed), "generator_version": GENERATOR_VERSION,
                                       "router_gain": ROUTER_GAIN,
-                                      "note": "random weights: for benchmarks and tests, not a language model"}})
+                                      "note": "random weights: for benchmarks and tests, not a language model"},
+                        **expert_entries(spec.layout)})
 
 
 __all__ = ["write_random_container", "tensor_shapes", "plan", "container_bytes"]

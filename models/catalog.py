@@ -97,13 +97,13 @@ def _legacy_dense_gb(arch: dict) -> float:
 
 
 # --- the estimate: the family's own layout -----------------------------------------------------
-def tensor_bytes(name: str, shape: tuple[int, ...], bits: int = 4, group_size: int = GROUP) -> int:
-    """Bytes `coli convert --bits` writes for one float source tensor (core.quant.scheme_for's
-    class, core.converter._Out.entries' shapes): int4 [O, ceil(I/2)] U8 + [O, ceil(I/gs)] F32,
+def tensor_bytes(name: str, shape: tuple[int, ...], layout, bits: int = 4, group_size: int = GROUP) -> int:
+    """Bytes `coli convert --bits` writes for one float source tensor (its class in the family's
+    ``layout``, core.converter._Out.entries' shapes): int4 [O, ceil(I/2)] U8 + [O, ceil(I/gs)] F32,
     int8 [O, I] U8 + [O] F32, f32 4 bytes a value."""
     from core import quant
     n = math.prod(shape)
-    scheme = quant.scheme_for(name, len(shape), bits)
+    scheme = quant.scheme_at(layout.tensor_class(name, len(shape)), bits)
     if scheme == "int4":
         rows, cols = shape
         return rows * ((cols + 1) // 2) + 4 * rows * -(-cols // group_size)
@@ -112,83 +112,55 @@ def tensor_bytes(name: str, shape: tuple[int, ...], bits: int = 4, group_size: i
     return 4 * n
 
 
-def _source_bytes(name: str, shape: tuple[int, ...], config: dict) -> int:
+def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout) -> int:
     """Bytes of one tensor in the checkpoint the Hub ships: the config's dtype, or block FP8 (1 byte
     a value + an f32 scale_inv per 128 x 128 block) for the decoder layers' projections when the
     config says ``quantization_config.quant_method = "fp8"`` (embeddings, lm_head, norms and the
-    router stay BF16, e_score_correction_bias F32, as DeepSeek-V3 and Kimi-K2 ship them)."""
+    router stay BF16, e_score_correction_bias F32, as the block-FP8 releases ship them)."""
     n = math.prod(shape)
     if name.endswith("e_score_correction_bias"):
         return 4 * n
     q = config.get("quantization_config") or {}
-    if (q.get("quant_method") == "fp8" and len(shape) == 2 and name.startswith("model.layers.")
-            and not name.endswith("mlp.gate.weight") and not any(m and name.startswith(m) for m in
-                                                                    q.get("modules_to_not_convert") or ())):
+    if (q.get("quant_method") == "fp8" and len(shape) == 2 and name.startswith(layout.prefix + "layers.")
+            and layout.tensor_class(name, 2) != "f32"         # the router
+            and not any(m and name.startswith(m) for m in q.get("modules_to_not_convert") or ())):
         block = (q.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK])
         return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return SOURCE_BYTES.get(dtype, 2) * n
 
 
-def mtp_tensors(spec, config: dict, family: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The MTP layers the source checkpoint carries after the language model's
-    (``num_nextn_predict_layers``, numbered from num_hidden_layers): one more decoder layer of the
-    last layer's kind, eh_proj [H, 2H], enorm / hnorm / shared_head.norm; DeepSeek-V3 ships copies
-    of the embedding and the head in it too (its README_WEIGHTS: embed_tokens, shared_head.head),
-    GLM's checkpoints do not (GLM-5.1's file listing)."""
-    n = config.get("num_nextn_predict_layers") or 0
-    H, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
-    out = []
-    if family == "qwen3_5_moe":
-        # Qwen3.5 / 3.6: mtp.layers.<k> (a full-attention MoE layer, the last layer's kind), mtp.fc
-        # [H, 2H], mtp.pre_fc_norm_embedding / pre_fc_norm_hidden / norm (transformers' Qwen3.5 MTP)
-        text = config.get("text_config") or config
-        n = text.get("mtp_num_hidden_layers") or 0
-        for k in range(n if isinstance(n, int) and spec.layers else 0):
-            out += [(t.name, t.shape) for t in spec.layers[-1].tensors(f"mtp.layers.{k}.", H)
-                    if t.synthetic and t.shape]
-        if out:
-            out += [("mtp.fc.weight", (H, 2 * H)), ("mtp.pre_fc_norm_embedding.weight", (H,)),
-                    ("mtp.pre_fc_norm_hidden.weight", (H,)), ("mtp.norm.weight", (H,))]
-        return out
-    for k in range(n if isinstance(n, int) and spec.layers else 0):
-        p = f"model.layers.{L + k}."
-        out += [(t.name, t.shape) for t in spec.layers[-1].tensors(p, H) if t.synthetic and t.shape]
-        out += [(p + "eh_proj.weight", (H, 2 * H)), (p + "enorm.weight", (H,)), (p + "hnorm.weight", (H,)),
-                (p + "shared_head.norm.weight", (H,))]
-        if family == "deepseek_v3":
-            out += [(p + "embed_tokens.weight", (V, H)), (p + "shared_head.head.weight", (V, H))]
-    return out
-
-
 def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
     """An entry's sizes from its published config.json, through the family's own layout (every
-    tensor core.layout.expected_tensors lists, at the class core.quant.scheme_for gives it: MLA
-    latent attention, DSA indexer, shared experts, dense-first layers...) and its cache kinds.
-    ``family``: the family that reads the config (its model_type by default; Kimi-K2 says
-    "kimi_k2" and is read by deepseek_v3). Imports numpy (the families do): the UI reads the
-    numbers the catalog stores, which a test checks against this."""
+    tensor core.layout.expected_tensors lists, at the class its layout gives it: latent
+    attention, indexers, shared experts, dense-first layers...), its MTP layers (the family's
+    ``mtp_tensors``) and its cache kinds. ``family``: the key (models.registry.FAMILIES) of the
+    family that reads the config, when it is not the config's own type. Imports numpy (the
+    families do): the UI reads the numbers the catalog stores, which a test checks against this."""
     from core import cache_kinds
     from core.layout import expected_tensors
     from models.registry import FAMILIES, family_for
     fam = FAMILIES[family] if family else family_for(config)
     spec = fam.spec(config)
+    layout = spec.layout
     total = experts = params = expert_params = source = 0
-    per_layer: dict[str, int] = {}            # one MoE layer's routed-expert bytes, by layer prefix
+    per_layer: dict[int, int] = {}            # one MoE layer's routed-expert bytes, by layer
     for t in expected_tensors(spec):
         if not t.synthetic:                   # optional biases the config does not have
             continue
-        b, n = tensor_bytes(t.name, t.shape, bits), math.prod(t.shape)
-        total, params, source = total + b, params + n, source + _source_bytes(t.name, t.shape, config)
-        if ".experts." in t.name:         # routed experts under the layer's ffn prefix (mlp.,
-            experts, expert_params = experts + b, expert_params + n     # kimi's block_sparse_moe.)
-            prefix = t.name.split(".experts.")[0]
-            per_layer[prefix] = per_layer.get(prefix, 0) + b
+        b, n = tensor_bytes(t.name, t.shape, layout, bits), math.prod(t.shape)
+        total, params = total + b, params + n
+        source += _source_bytes(t.name, t.shape, config, layout)
+        place = layout.experts.place(t.name)
+        if place is not None:
+            experts, expert_params = experts + b, expert_params + n
+            per_layer[place[0]] = per_layer.get(place[0], 0) + b
     E, K = spec.num_experts, spec.top_k
     active_experts = sum(per_layer.values()) * K / E if E else 0.0     # top_k x MoE layers x one expert
-    mtp = mtp_tensors(spec, config, fam.model_type)
-    mtp_bytes = sum(tensor_bytes(n, s, bits) for n, s in mtp)
-    source += sum(_source_bytes(n, s, config) for n, s in mtp)
+    # the MTP layers the checkpoint carries (the family lists them; converted aside)
+    mtp = fam.mtp_tensors(spec, config) if hasattr(fam, "mtp_tensors") else []
+    mtp_bytes = sum(tensor_bytes(n, s, layout, bits) for n, s in mtp)
+    source += sum(_source_bytes(n, s, config, layout) for n, s in mtp)
     dense = total - experts
     kv = cache_kinds.bytes_per_position(spec.cache_kinds, KV_DTYPE)
     positions = min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)

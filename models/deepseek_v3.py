@@ -16,7 +16,7 @@ from core.blocks.mlp import SwiGLU
 from core.errors import ColiError
 from core.rope import check_numbers as check_rope_numbers, rope_parameters
 
-from .glm4_moe import dense_first, sigmoid_moe
+from .glm4_moe import dense_first, nextn_mtp_tensors, sigmoid_moe
 
 # DeepseekV3Config's defaults (transformers 5.24)
 DEFAULTS = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -87,3 +87,8 @@ class DeepseekV3:
                        for kind in spec.mlp_kinds]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[tuple[str, tuple[int, ...]]]:
+        """The MTP layers, with their copies of the embedding and the head."""
+        return nextn_mtp_tensors(spec, config, head_copies=True)

@@ -42,6 +42,25 @@ def sigmoid_moe(r: ConfigReader, spec: ArchSpec) -> MoE:
     return MoE(spec.hidden_size, E, router, inter, SwiGLU(spec.hidden_size, inter * shared) if shared else None)
 
 
+def nextn_mtp_tensors(spec: ArchSpec, config: dict, head_copies: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """The MTP layers the checkpoint carries after the language model's
+    (``num_nextn_predict_layers``, numbered from num_hidden_layers): one more decoder layer of the
+    last layer's kind, eh_proj [H, 2H], enorm / hnorm / shared_head.norm; ``head_copies``: copies
+    of the embedding and the head as well (DeepSeek-V3's README_WEIGHTS: embed_tokens,
+    shared_head.head; GLM's checkpoints have none, GLM-5.1's file listing)."""
+    n = config.get("num_nextn_predict_layers") or 0
+    H, V, L = spec.hidden_size, spec.vocab_size, spec.num_layers
+    out = []
+    for k in range(n if isinstance(n, int) and spec.layers else 0):
+        p = f"{spec.layout.prefix}layers.{L + k}."
+        out += [(t.name, t.shape) for t in spec.layers[-1].tensors(p, H) if t.synthetic and t.shape]
+        out += [(p + "eh_proj.weight", (H, 2 * H)), (p + "enorm.weight", (H,)), (p + "hnorm.weight", (H,)),
+                (p + "shared_head.norm.weight", (H,))]
+        if head_copies:
+            out += [(p + "embed_tokens.weight", (V, H)), (p + "shared_head.head.weight", (V, H))]
+    return out
+
+
 def dense_first(r: ConfigReader, spec: ArchSpec) -> list[str]:
     """'dense' for the first ``first_k_dense_replace`` layers, 'moe' after."""
     k = r.int("first_k_dense_replace")
@@ -68,3 +87,7 @@ class Glm4Moe:
                        for kind in spec.mlp_kinds]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[tuple[str, tuple[int, ...]]]:
+        return nextn_mtp_tensors(spec, config)

@@ -12,9 +12,10 @@ from core.blocks.layer import Layer
 from core.blocks.mla import MLA, Indexer
 from core.blocks.mlp import SwiGLU
 from core.errors import ColiError
+from core.layout import Layout
 
 from .deepseek_v3 import mla_spec
-from .glm4_moe import sigmoid_moe
+from .glm4_moe import nextn_mtp_tensors, sigmoid_moe
 
 # GlmMoeDsaConfig's defaults (transformers 5.24)
 DEFAULTS = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
@@ -86,4 +87,11 @@ class GlmMoeDsa:
                              moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
                        for t, kind in zip(indexer_types(r, spec.num_layers), spec.mlp_kinds)]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
+        # the indexer's per-head weights stay F32 as transformers keeps them (_keep_in_fp32_modules):
+        # they decide which positions attention sees
+        spec.layout = Layout(f32=("indexer.weights_proj.weight",))
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[tuple[str, tuple[int, ...]]]:
+        return nextn_mtp_tensors(spec, config)

@@ -30,6 +30,7 @@ from core.blocks.linear_attention import KDA
 from core.blocks.mla import MLA
 from core.blocks.mlp import SwiGLU
 from core.errors import ColiError
+from core.layout import ExpertPattern, Layout
 
 from .glm4_moe import sigmoid_moe
 
@@ -132,5 +133,5 @@ class KimiLinear:
         spec.layers = [Layer(mla if t == "full_attention" else kda, moe if k == "moe" else dense, ffn_prefix=FFN_PREFIX)
                        for t, k in zip(types, spec.mlp_kinds)]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
-        spec.expert_parts = EXPERT_PARTS
+        spec.layout = Layout(experts=ExpertPattern(parts=EXPERT_PARTS))
         return spec

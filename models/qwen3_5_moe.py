@@ -17,7 +17,7 @@ layers, by ``layer_types`` (or every ``full_attention_interval``-th layer full, 
 * Checkpoints: the text-only form under ``model.``; the composite under ``model.language_model.``
   with a vision tower ``model.visual.*`` (left out by the converter) and the head at
   ``lm_head.weight`` (tied by the top-level ``tie_word_embeddings``); MTP under ``mtp.*`` (set
-  aside by the converter, core.converter.mtp_group).
+  aside by the converter, core.layout.Layout.mtp_group).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from core.blocks.linear_attention import GatedDeltaNet
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import SoftmaxRouter
 from core.errors import ColiError
+from core.layout import Layout
 from core.rope import rope_parameters
 
 # Qwen3_5MoeTextConfig's defaults (transformers 5.24), used for fields absent from config.json
@@ -101,7 +102,22 @@ class Qwen3_5Moe:
         spec.layers = [Layer(gdn if t == "linear_attention" else attention, moe, norm_offset=1.0) for t in types]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         spec.norm_offset = 1.0
-        spec.prefix = COMPOSITE_PREFIX if composite else TEXT_PREFIX
         spec.text_config = text if composite else None
-        spec.dropped = (VISION_PREFIX,)
+        spec.layout = Layout(prefix=COMPOSITE_PREFIX if composite else TEXT_PREFIX, dropped=(VISION_PREFIX,))
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[tuple[str, tuple[int, ...]]]:
+        """``mtp.layers.<k>`` (a full-attention MoE layer, the last layer's kind), ``mtp.fc``
+        [H, 2H], ``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm`` (transformers'
+        Qwen3.5 MTP), ``mtp_num_hidden_layers`` of them."""
+        H = spec.hidden_size
+        n = (config.get("text_config") or config).get("mtp_num_hidden_layers") or 0
+        out = []
+        for k in range(n if isinstance(n, int) and spec.layers else 0):
+            out += [(t.name, t.shape) for t in spec.layers[-1].tensors(f"mtp.layers.{k}.", H)
+                    if t.synthetic and t.shape]
+        if out:
+            out += [("mtp.fc.weight", (H, 2 * H)), ("mtp.pre_fc_norm_embedding.weight", (H,)),
+                    ("mtp.pre_fc_norm_hidden.weight", (H,)), ("mtp.norm.weight", (H,))]
+        return out

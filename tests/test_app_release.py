@@ -26,11 +26,12 @@ def slow_model(tmp_path_factory):
     """The demo model's geometry and tokenizer with 96 random-weight layers: a ~1000-token
     history takes seconds to prefill, one layer a few tens of milliseconds."""
     from core.synthetic import write_random_container
+    from models import family_for
     cfg = json.loads((DEMO / "config.json").read_text())
     cfg.update(num_hidden_layers=96, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                max_position_embeddings=4096, eos_token_id=[cfg["vocab_size"] + 50])  # eos never sampled
     out = tmp_path_factory.mktemp("slow") / "slow-moe"
-    write_random_container(out, cfg)
+    write_random_container(out, cfg, family_for(cfg))
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(DEMO / f, out / f)
     return out

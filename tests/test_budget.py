@@ -36,7 +36,8 @@ RUNTIME_ALLOWANCE = 12 << 20    # KV cache, activations, Python objects for this
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from core.synthetic import write_random_container
-    return write_random_container(tmp_path_factory.mktemp("budget") / "m", CONFIG, seed=3)
+    from models import family_for
+    return write_random_container(tmp_path_factory.mktemp("budget") / "m", CONFIG, family_for(CONFIG), seed=3)
 
 
 def _run(model, cap):

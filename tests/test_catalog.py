@@ -95,14 +95,14 @@ def test_mtp_layers_count_in_the_download_and_go_aside_in_the_container(fixture,
     from safetensors.numpy import save_file
 
     from core.converter import convert
-    from models.catalog import GB, estimate, mtp_tensors
-    from models.registry import family_for
+    from models.catalog import GB, estimate
+    from models.registry import family_for, validate_config
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / fixture / "model", src)
     config = {**json.loads((src / "config.json").read_text()), "num_nextn_predict_layers": 1}
     (src / "config.json").write_text(json.dumps(config))      # GLM-5's says so; the tiny one does not
     fam = family_for(config)
-    extra = mtp_tensors(fam.spec(config), config, fam.model_type)
+    extra = fam.mtp_tensors(fam.spec(config), config)
     assert extra and all(n.startswith(f"model.layers.{config['num_hidden_layers']}.") for n, _ in extra)
     rng = np.random.default_rng(0)
     save_file({n: rng.standard_normal(s).astype(np.float32) for n, s in extra},
@@ -112,7 +112,7 @@ def test_mtp_layers_count_in_the_download_and_go_aside_in_the_container(fixture,
         index = json.loads(index_path.read_text())
         index["weight_map"].update({n: "model-mtp.safetensors" for n, _ in extra})
         index_path.write_text(json.dumps(index))
-    out = convert(src, tmp_path / "c", bits=4)
+    out = convert(src, tmp_path / "c", bits=4, validate_config=validate_config)
     est = estimate(config)
     assert est["bytes"]["total"] == container_bytes(out)[0]
     assert est["bytes"]["mtp"] == container_bytes(out, mtp=True)[0] > 0

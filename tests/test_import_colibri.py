@@ -229,7 +229,7 @@ def test_byte_count_fitting_no_scheme_is_one_line(tmp_path, capsys, dirs, case):
         assert "one scale per row" in line
     assert not (tmp_path / "o" / MANIFEST).exists()
     with pytest.raises(ColiError, match=name.replace(".", r"\.")):
-        import_colibri(d, tmp_path / "o")
+        import_colibri(d, tmp_path / "o", validate_config)
 
 
 def test_a_glm5_directory_imports_to_our_container(tmp_path):

@@ -137,7 +137,7 @@ def test_text_and_composite_configs_compose_the_same_layers():
     assert text.prefix == "model." and text.text_config is None
     assert comp.prefix == "model.language_model." and comp.text_config == _config(COMPOSITE)["text_config"]
     assert comp.tie_word_embeddings is True and text.tie_word_embeddings is False     # the top-level field
-    assert text.dropped == comp.dropped == ("model.visual.",)
+    assert text.layout.dropped == comp.layout.dropped == ("model.visual.",)
     assert [type(l.mixer) for l in text.layers] == [GatedDeltaNet] * 3 + [type(text.layers[3].mixer)]
     full = text.layers[3].mixer
     assert full.gated and full.rope_dim == 4 and full.norm_offset == 1.0 and text.norm_offset == 1.0

@@ -14,8 +14,7 @@ import numpy as np
 
 from .. import kernels
 from ..cache_kinds import KV
-from ..errors import ColiError
-from .common import Need, biased, linear
+from .common import Need, biased, linear, load_needs, vector_or_none
 
 
 @dataclass(frozen=True)
@@ -58,15 +57,13 @@ class GQA:
 class GQAAttention:
     def __init__(self, spec: GQA, c, p: str, eps: float):
         self.spec, self.eps = spec, eps
-        opt = lambda n: kernels.vector(c.load(p + n)) if (p + n) in c else None
-        self.q, self.k, self.v, self.o = (c.load(p + f"{n}_proj.weight") for n in "qkvo")
-        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (opt(f"{n}_proj.bias") for n in "qkvo")
-        self.q_norm, self.k_norm = opt("q_norm.weight"), opt("k_norm.weight")
+        w = load_needs(c, spec.tensors(p), p)
+        self.q, self.k, self.v, self.o = (w[f"{n}_proj.weight"] for n in "qkvo")
+        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (vector_or_none(w.get(f"{n}_proj.bias")) for n in "qkvo")
+        self.q_norm, self.k_norm = vector_or_none(w.get("q_norm.weight")), vector_or_none(w.get("k_norm.weight"))
         if spec.norm_offset:
-            self.q_norm, self.k_norm = (None if w is None else (w + np.float32(spec.norm_offset)).astype(np.float32)
-                                        for w in (self.q_norm, self.k_norm))
-        if spec.qk_norm != "none" and (self.q_norm is None or self.k_norm is None):
-            raise ColiError(f"{p}: q_norm/k_norm weights are missing from the container")
+            self.q_norm, self.k_norm = (None if x is None else (x + np.float32(spec.norm_offset)).astype(np.float32)
+                                        for x in (self.q_norm, self.k_norm))
         self.window = spec.window
         self.rope_dim = spec.rope_dim or spec.head_dim
         self.scale = np.float32(spec.head_dim ** -0.5)

@@ -19,6 +19,18 @@ class Need:
     synthetic: bool = True      # written into a synthetic checkpoint of the config (core.synthetic)
 
 
+def load_needs(c, needs: list[Need], prefix: str) -> dict:
+    """The tensors a block declares (its ``tensors(prefix)``) read from the container ``c``, keyed
+    by their name after ``prefix`` (``q_proj.weight``): a block writes each tensor's name once. An
+    optional tensor the container does not hold is None; a missing required one is one line."""
+    return {n.name[len(prefix):]: c.load(n.name) if n.name in c or not n.optional else None for n in needs}
+
+
+def vector_or_none(w) -> np.ndarray | None:
+    """A loaded vector as float32 (an optional one that is absent stays None)."""
+    return None if w is None else kernels.vector(w)
+
+
 def norm_weight(c, name: str, offset: float = 0.0) -> np.ndarray:
     """A norm's weight as float32, plus ``offset`` (1 for a (1+w) RMSNorm, folded at load:
     float32(1 + w) is what transformers multiplies by, so the products are the same)."""

@@ -36,7 +36,7 @@ import numpy as np
 from .. import kernels
 from ..cache_kinds import Conv, Recurrent
 from ..errors import ColiError
-from .common import Need, linear
+from .common import Need, linear, load_needs
 
 L2NORM_EPS = 1e-6         # transformers' l2norm(eps=1e-6) (use_qk_l2norm_in_kernel)
 
@@ -149,14 +149,15 @@ class GatedDeltaNetMixer:
 
     def __init__(self, spec: GatedDeltaNet, c, p: str, eps: float):
         self.spec, self.eps = spec, eps
+        w = load_needs(c, spec.tensors(p), p)
         self.qkv, self.z, self.b, self.a, self.out = (
-            c.load(p + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
-        conv = c.load(p + "conv1d.weight")
+            w[n + ".weight"] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+        conv = w["conv1d.weight"]
         self.conv_w = np.ascontiguousarray(np.asarray(conv.data, np.float32).reshape(spec.conv_channels, spec.conv_kernel))
-        self.dt_bias = kernels.vector(c.load(p + "dt_bias"))
+        self.dt_bias = kernels.vector(w["dt_bias"])
         # g = -exp(A_log) * softplus(.): exp(A_log) in float32, once (transformers: A_log.float().exp())
-        self.neg_a = -np.exp(kernels.vector(c.load(p + "A_log")).astype(np.float32))
-        self.norm_w = kernels.vector(c.load(p + "norm.weight"))
+        self.neg_a = -np.exp(kernels.vector(w["A_log"]).astype(np.float32))
+        self.norm_w = kernels.vector(w["norm.weight"])
         if spec.v_heads % spec.k_heads:
             raise ColiError(f"{p}: {spec.v_heads} value heads are not a multiple of {spec.k_heads} key heads")
         self.scale = np.float32(spec.k_dim ** -0.5)
@@ -250,17 +251,18 @@ class KDAMixer:
 
     def __init__(self, spec: KDA, c, p: str, eps: float):
         self.spec, self.eps = spec, eps
+        w = load_needs(c, spec.tensors(p), p)
         self.q, self.k, self.v, self.f_a, self.f_b, self.b, self.g_a, self.g_b, self.out = (
-            c.load(p + n + ".weight") for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj",
-                                                "g_a_proj", "g_b_proj", "o_proj"))
-        convs = [np.asarray(c.load(p + f"{x}_conv1d.weight").data, np.float32).reshape(spec.width, spec.conv_kernel)
+            w[n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj",
+                                       "g_a_proj", "g_b_proj", "o_proj"))
+        convs = [np.asarray(w[f"{x}_conv1d.weight"].data, np.float32).reshape(spec.width, spec.conv_kernel)
                  for x in "qkv"]
         self.conv_w = np.ascontiguousarray(np.concatenate(convs, axis=0))
-        self.dt_bias = kernels.vector(c.load(p + "dt_bias")).astype(np.float32)
+        self.dt_bias = kernels.vector(w["dt_bias"]).astype(np.float32)
         # -exp(A_log) per head, broadcast over its channels (transformers: -A_log.float().exp() * ...)
-        a = np.exp(kernels.vector(c.load(p + "A_log")).astype(np.float32).reshape(spec.heads))
+        a = np.exp(kernels.vector(w["A_log"]).astype(np.float32).reshape(spec.heads))
         self.neg_a = (-a).astype(np.float32)[:, None]
-        self.norm_w = kernels.vector(c.load(p + "o_norm.weight"))
+        self.norm_w = kernels.vector(w["o_norm.weight"])
         self.scale = np.float32(1 / (spec.head_dim ** 0.5))     # transformers: 1 / (d ** 0.5)
 
     def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):

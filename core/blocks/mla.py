@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import kernels
 from ..cache_kinds import IndexKeys, Latent
-from .common import Need, linear
+from .common import Need, linear, load_needs, vector_or_none
 
 LATENT_NORM_EPS = 1e-6      # DeepseekV3RMSNorm's default: q_a / kv_a layernorms never get rms_norm_eps
 INDEX_NORM_EPS = 1e-6       # the indexer's nn.LayerNorm(eps=1e-6)
@@ -135,31 +135,30 @@ class MLAAttention:
 
     def __init__(self, spec: MLA, c, p: str):
         self.spec = spec
-        opt = lambda n: kernels.vector(c.load(p + n)) if (p + n) in c else None
+        w = load_needs(c, spec.tensors(p), p)
         if spec.q_lora_rank:
-            self.q_a, self.q_a_bias = c.load(p + "q_a_proj.weight"), opt("q_a_proj.bias")
-            self.q_a_norm = kernels.vector(c.load(p + "q_a_layernorm.weight"))
-            self.q_b = c.load(p + "q_b_proj.weight")
+            self.q_a, self.q_a_bias = w["q_a_proj.weight"], vector_or_none(w["q_a_proj.bias"])
+            self.q_a_norm = kernels.vector(w["q_a_layernorm.weight"])
+            self.q_b = w["q_b_proj.weight"]
         else:
-            self.q = c.load(p + "q_proj.weight")
-        self.kv_a, self.kv_a_bias = c.load(p + "kv_a_proj_with_mqa.weight"), opt("kv_a_proj_with_mqa.bias")
-        self.kv_a_norm = kernels.vector(c.load(p + "kv_a_layernorm.weight"))
-        self.o, self.o_bias = c.load(p + "o_proj.weight"), opt("o_proj.bias")
+            self.q = w["q_proj.weight"]
+        self.kv_a, self.kv_a_bias = w["kv_a_proj_with_mqa.weight"], vector_or_none(w["kv_a_proj_with_mqa.bias"])
+        self.kv_a_norm = kernels.vector(w["kv_a_layernorm.weight"])
+        self.o, self.o_bias = w["o_proj.weight"], vector_or_none(w["o_proj.bias"])
         # the absorbed form's per-head matrices, kept in the container's scheme (row views of
         # kv_b_proj, no copy): W_kb_h [nope, rank] takes head h's query into latent space
         # (matmul_t), W_vb_h [v, rank] brings the attended latent back (matmul)
-        self.kv_b = c.load(p + "kv_b_proj.weight")
+        self.kv_b = w["kv_b_proj.weight"]
         per, nope = spec.qk_nope + spec.v_head_dim, spec.qk_nope
         self.w_kb = [kernels.weight_rows(self.kv_b, h * per, h * per + nope) for h in range(spec.heads)]
         self.w_vb = [kernels.weight_rows(self.kv_b, h * per + nope, (h + 1) * per) for h in range(spec.heads)]
         self.scale = np.float32(spec.scale)
         ix = spec.indexer
         if ix is not None:
-            q = p + "indexer."
-            self.ix_q, self.ix_k = c.load(q + "wq_b.weight"), c.load(q + "wk.weight")
-            self.ix_norm_w = kernels.vector(c.load(q + "k_norm.weight"))
-            self.ix_norm_b = kernels.vector(c.load(q + "k_norm.bias"))
-            self.ix_weights = c.load(q + "weights_proj.weight")
+            self.ix_q, self.ix_k = w["indexer.wq_b.weight"], w["indexer.wk.weight"]
+            self.ix_norm_w = kernels.vector(w["indexer.k_norm.weight"])
+            self.ix_norm_b = kernels.vector(w["indexer.k_norm.bias"])
+            self.ix_weights = w["indexer.weights_proj.weight"]
         # decode's compiled step (input already normed, no residual: the engine's step-by-step
         # call), or None (weights not all int4 with one group size, no extension)
         self.fast = self._compiled(None, 0.0) if spec.interleave and spec.rope else None

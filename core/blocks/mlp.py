@@ -14,7 +14,7 @@ import numpy as np
 from .. import kernels
 from ..errors import ColiError
 from ..store import ExpertFFN
-from .common import Need
+from .common import Need, load_needs
 
 
 def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
@@ -37,7 +37,8 @@ class SwiGLU:
                 Need(p + "down_proj.weight", (H, I))]
 
     def build(self, c, p: str) -> "DenseMLP":
-        return DenseMLP(ExpertFFN(*(c.load(p + f"{n}_proj.weight") for n in ("gate", "up", "down"))))
+        w = load_needs(c, self.tensors(p), p)
+        return DenseMLP(ExpertFFN(*(w[f"{n}_proj.weight"] for n in ("gate", "up", "down"))))
 
 
 class DenseMLP:

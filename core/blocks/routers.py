@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from .common import load_needs
 
 
 class SoftmaxTopK:
@@ -77,7 +78,8 @@ class SoftmaxRouter:
         return [Need(p + "gate.weight", (experts, hidden))]
 
     def build(self, c, p: str, experts: int, hidden: int):
-        return SoftmaxTopK(_router_weight(c, p, experts, hidden), self.top_k, self.norm_topk_prob)
+        w = load_needs(c, self.tensors(p, experts, hidden), p)
+        return SoftmaxTopK(_router_weight(w, p, experts, hidden), self.top_k, self.norm_topk_prob)
 
 
 class SigmoidGroupRouter:
@@ -93,14 +95,15 @@ class SigmoidGroupRouter:
         return [Need(p + "gate.weight", (experts, hidden)), Need(p + "gate.e_score_correction_bias", (experts,))]
 
     def build(self, c, p: str, experts: int, hidden: int):
-        bias = kernels.vector(c.load(p + "gate.e_score_correction_bias"))
-        return SigmoidGroupTopK(_router_weight(c, p, experts, hidden), bias, self.top_k, self.n_group,
+        w = load_needs(c, self.tensors(p, experts, hidden), p)
+        bias = kernels.vector(w["gate.e_score_correction_bias"])
+        return SigmoidGroupTopK(_router_weight(w, p, experts, hidden), bias, self.top_k, self.n_group,
                                 self.topk_group, self.norm_topk_prob, self.scaling)
 
 
-def _router_weight(c, p: str, experts: int, hidden: int) -> np.ndarray:
+def _router_weight(w: dict, p: str, experts: int, hidden: int) -> np.ndarray:
     from ..errors import ColiError
-    weight = kernels.vector(c.load(p + "gate.weight"))
+    weight = kernels.vector(w["gate.weight"])
     if weight.shape != (experts, hidden):
         raise ColiError(f"{p}gate.weight: router shape {weight.shape} does not match the config")
     return weight

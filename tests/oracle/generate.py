@@ -23,8 +23,9 @@ DeepSeek V4 configs (``hub=...``) also get ``hub/``, the same model in the Hub r
 and ``logits_hub`` (see tests/oracle/gen_dsv4.py).
 
 ``logits_qN`` is the model with every saved tensor replaced by what colibrì's ``--bits N``
-container dequantizes it to (see ``core.quant.scheme_for``): int4 group-64, int8 per row, or
-float32 unchanged. The substitution is done on the saved (per-expert) tensor names, and the
+container dequantizes it to (each tensor's class in its family's layout,
+``core.layout.Layout.tensor_class``, at ``--bits N``: ``core.quant.scheme_at``): int4 group-64,
+int8 per row, or float32 unchanged. The substitution is done on the saved (per-expert) tensor names, and the
 quantized model is loaded back through ``from_pretrained``; a round trip checks that the loaded
 model's saved tensors equal the dequantized ones exactly.
 """
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_for
+from core.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scheme_at
 from tests.oracle import gen_dsv4
 from tests.oracle.hooks import Watch, topk_boundary_gap
 
@@ -455,11 +456,11 @@ def _read_saved(model_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _qdq(name: str, w: np.ndarray, bits: int, family: str = "") -> np.ndarray:
+def _qdq(name: str, w: np.ndarray, bits: int, layout, family: str = "") -> np.ndarray:
     if not np.issubdtype(w.dtype, np.floating):     # V4's tid2eid hash table
         return w
     scheme = (gen_dsv4.scheme(name, w.ndim, bits) if family == "deepseek_v4"
-              else scheme_for(name, w.ndim, bits))
+              else scheme_at(layout.tensor_class(name, w.ndim), bits))
     if scheme == "int4":
         packed, scales = quantize_int4(w, GROUP_SIZE)
         return dequantize_int4(packed, scales, w.shape[1], GROUP_SIZE)
@@ -472,8 +473,13 @@ def _qdq(name: str, w: np.ndarray, bits: int, family: str = "") -> np.ndarray:
 
 def _quantized_model(model_dir: str, work: str, bits: int, model_cls, family: str = ""):
     """Write a dequantized copy of the saved checkpoint to ``work`` and load it back."""
+    from models.registry import family_for
     src = _read_saved(model_dir)
-    deq = {name: np.ascontiguousarray(_qdq(name, w, bits, family)) for name, w in src.items()}
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    # the classes `coli convert` gives (DeepSeek V4: gen_dsv4's rule until the family lands)
+    layout = None if family == "deepseek_v4" else family_for(config).spec(config).layout
+    deq = {name: np.ascontiguousarray(_qdq(name, w, bits, layout, family)) for name, w in src.items()}
     qdir = os.path.join(work, f"q{bits}")
     os.makedirs(qdir)
     for fn in ("config.json", "generation_config.json"):
