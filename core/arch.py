@@ -36,7 +36,7 @@ class ArchSpec:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 0
-    # per layer, the blocks it is composed of (core.blocks.layer.Layer): the family's declaration,
+    # per layer, the blocks it is composed of (core.blocks.residual.PreNorm): the family's declaration,
     # from which the engine loads it and the layout check, synthetic checkpoints and estimates
     # take its tensors. Empty: GQA + SwiGLU / softmax-routed MoE from the fields above.
     layers: list = field(default_factory=list)
@@ -60,6 +60,12 @@ class ArchSpec:
     # gate_proj / up_proj / down_proj. The converter records them in the manifest
     # (``expert_parts``), and the container hands the store each expert keyed by role
     expert_parts: tuple[str, str, str] | None = None
+    # rotary tables beyond "main" (built by the engine from the fields above), by name: each has
+    # cos_sin(positions) (core.rope.Rope); blocks ask a pass for one by name (core.step.Step.rope)
+    rope_tables: dict = field(default_factory=dict)
+    # the ends (core.blocks.embed's Embedding / LMHead, or a family's own); None: from the fields above
+    embedding: object = None
+    head: object = None
 
     def __post_init__(self):
         if not self.cache_kinds:            # full attention everywhere unless the family says
@@ -67,16 +73,16 @@ class ArchSpec:
                                 [KV(self.num_kv_heads, self.head_dim)] * self.num_layers)
 
     def layer_plan(self) -> list:
-        """The declared layers (core.blocks.layer.Layer), one per decoder layer."""
+        """The declared layers (core.blocks.residual.PreNorm), one per decoder layer."""
         if self.layers:
             return self.layers
         from .blocks.attention import GQA          # numpy-free callers never get here
-        from .blocks.layer import Layer
+        from .blocks.residual import PreNorm
         from .blocks.mlp import MoE, SwiGLU
         from .blocks.routers import SoftmaxRouter
         H = self.hidden_size
         windows = self.sliding_windows or [None] * self.num_layers
-        return [Layer(GQA(H, self.num_heads, self.num_kv_heads, self.head_dim, self.qk_norm, self.clip_qkv,
+        return [PreNorm(GQA(H, self.num_heads, self.num_kv_heads, self.head_dim, self.qk_norm, self.clip_qkv,
                           windows[i], bias=self.attention_bias),
                       MoE(H, self.num_experts, SoftmaxRouter(self.top_k, self.norm_topk_prob), self.expert_intermediate)
                       if self.mlp_kinds[i] == "moe" else SwiGLU(H, self.dense_intermediate))

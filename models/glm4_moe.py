@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec
 from core.blocks.attention import GQA
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import SigmoidGroupRouter
 from core.rope import rope_parameters
@@ -64,7 +64,7 @@ class Glm4Moe:
         attention = GQA(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.qk_norm,
                         rope_dim=rope_dim, o_bias=False, bias=spec.attention_bias)
         moe = sigmoid_moe(r, spec) if spec.num_experts else None
-        spec.layers = [Layer(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
+        spec.layers = [PreNorm(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
                        for kind in spec.mlp_kinds]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec, eos_ids
 from core.blocks.attention import GQA
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.linear_attention import GatedDeltaNet
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import SoftmaxRouter
@@ -98,7 +98,7 @@ class Qwen3_5Moe:
         moe = MoE(H, spec.num_experts, SoftmaxRouter(spec.top_k, True), spec.expert_intermediate, shared,
                   shared_prefix="shared_expert.", shared_gate=True)
         spec.mlp_kinds = ["moe"] * spec.num_layers
-        spec.layers = [Layer(gdn if t == "linear_attention" else attention, moe, norm_offset=1.0) for t in types]
+        spec.layers = [PreNorm(gdn if t == "linear_attention" else attention, moe, norm_offset=1.0) for t in types]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         spec.norm_offset = 1.0
         spec.prefix = COMPOSITE_PREFIX if composite else TEXT_PREFIX
