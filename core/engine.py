@@ -165,10 +165,10 @@ class Engine:
         self.embed = (spec.embedding or Embedding(spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings)).build(c, p)
         self.head = (spec.head or LMHead(spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings, spec.norm_offset)
                      ).build(c, p, spec.rms_norm_eps, self.embed)
-        # each layer as the family composed it (ArchSpec.layer_plan: core.blocks.residual): the
+        # each layer as the family composed it (ArchSpec.layers: core.blocks.residual): the
         # engine calls L(i, x, step) and knows nothing more of what a layer does
         self.layers = [decl.build(c, f"{p}layers.{i}.", spec.rms_norm_eps)
-                       for i, decl in enumerate(spec.layer_plan())]
+                       for i, decl in enumerate(spec.layers)]
         if store is None:
             from .tiered_store import TieredStore
             store = TieredStore(c, cap=spec.num_experts)      # everything fits: no eviction

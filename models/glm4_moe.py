@@ -54,14 +54,15 @@ class Glm4Moe:
     @staticmethod
     def spec(config: dict, generation_config: dict | None = None) -> ArchSpec:
         r = ConfigReader("glm4_moe", config, DEFAULTS, ALIASES)
-        spec = common_spec(r, generation_config, qk_norm="per_head" if r.flag("use_qk_norm") else "none")
+        spec = common_spec(r, generation_config)
         factor = rope_parameters(config).get("partial_rotary_factor", 0.5)   # the config class's default
         rope_dim = int(spec.head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor <= 1 else 0
         r.refuse(rope_dim < 2 or rope_dim % 2, f"partial_rotary_factor {factor!r} with head_dim {spec.head_dim}")
         spec.rope_dim, spec.rope_partial = rope_dim, True
         spec.mlp_kinds = dense_first(r, spec)
         spec.dense_intermediate = r.positive_int("intermediate_size")
-        attention = GQA(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.qk_norm,
+        attention = GQA(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                        "per_head" if r.flag("use_qk_norm") else "none",
                         rope_dim=rope_dim, o_bias=False, bias=spec.attention_bias)
         moe = sigmoid_moe(r, spec) if spec.num_experts else None
         spec.layers = [PreNorm(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))

@@ -71,7 +71,7 @@ class Qwen3_5Moe:
         if not isinstance(text, dict):
             raise ColiError(f"qwen3_5_moe config: text_config must be a JSON object, got {text!r}")
         r = ConfigReader("qwen3_5_moe", text, DEFAULTS, ALIASES)
-        spec = common_spec(r, generation_config, qk_norm="per_head")
+        spec = common_spec(r, generation_config)
         if composite:        # the composite model's head is tied (or not) by its own field
             top = config.get("tie_word_embeddings", False)
             if not isinstance(top, bool):

@@ -45,10 +45,11 @@ def _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, window):
 
 
 def _spec(hidden, H, KV, D, qk_norm, clip):
-    return ArchSpec(vocab_size=8, hidden_size=hidden, num_layers=1, num_heads=H, num_kv_heads=KV,
-                    head_dim=D, rms_norm_eps=1e-5, qk_norm=qk_norm, mlp_kinds=["moe"],
-                    num_experts=6, top_k=2, norm_topk_prob=True, clip_qkv=clip,
-                    max_position_embeddings=4096)
+    s = ArchSpec(vocab_size=8, hidden_size=hidden, num_layers=1, num_heads=H, num_kv_heads=KV,
+                 head_dim=D, rms_norm_eps=1e-5, mlp_kinds=["moe"], num_experts=6, top_k=2,
+                 norm_topk_prob=True, max_position_embeddings=4096)
+    s.qk_norm, s.clip_qkv = qk_norm, clip       # the attention's options (GQA's), kept with the sizes
+    return s
 
 
 def _block(L, s, router=False):
