@@ -1,7 +1,7 @@
-"""The family-agnostic MoE decoder: the forward driver (embedding, the layers the family composed
-from ``core.blocks``, final norm and head), the per-layer caches, lookahead prefetch, and the
-generation loop. No tensor names beyond the embedding/head, no attention or router math: those
-are the blocks'.
+"""The family-agnostic MoE decoder: the forward driver (the embedding, layers and head the family
+declared from ``core.blocks``, each called with the pass's context, ``core.step.Step``), the
+timers, lookahead prefetch, cancel, and the generation loop. No tensor names, no residual,
+attention or router math, no cache storage (``core.cache``): those are the blocks' and kinds'.
 
 All activations are float32. Weights come from the container as dense float32 or int4/int8
 (computed by ``core.kernels``).
@@ -16,122 +16,18 @@ import numpy as np
 
 from . import kernels
 from .arch import ArchSpec
-from .cache_kinds import layer_kinds
+from .cache import KVCache
 from .container import Container
 from .errors import ColiError
 from .events import Done, Stats, Token
-from .memory import lazy_array, peak_rss_bytes
+from .memory import peak_rss_bytes
 from .planner import kv_reserved_positions
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
+from .step import Step
 from .blocks.mlp import expert_ffn  # noqa: F401  (re-exported: tools and tests use it)
-from .blocks.common import norm_weight
+from .blocks.embed import ends
 from .store import ExpertStore
-
-
-rms_norm = kernels.rms_norm
-
-
-class KVCache:
-    """Keys and values per layer, head-major [kv_heads, capacity, D]: one head's positions are
-    contiguous, which is how attention reads them (position-major put every position of a head
-    on its own page at long contexts).
-
-    The first append reserves core.planner.kv_reserved_positions (4096, or the model's maximum if
-    smaller; what the automatic RAM budget keeps free for it) at once, in
-    an anonymous mapping (core.memory.lazy_array): address space only until positions are
-    written, so RSS grows with the context and a growing array's copies are gone (doubling from
-    64 positions stalled decode for 0.3-0.4 s at 256 and 512 positions of the OLMoE geometry).
-    Past the reservation it doubles.
-
-    ``recycled``: the arrays of a finished cache (``buffers()``) to write over instead: their
-    pages are mapped already (Engine.new_cache). ``dtype``: float32, or the opt-in float16 (half
-    the memory and the reads of attention; keys and values rounded to half precision, so outputs
-    change slightly -- see README)."""
-
-    def __init__(self, spec: ArchSpec, recycled: list[dict] | None = None, dtype=np.float32):
-        self.dtype = np.dtype(dtype)
-        # per layer, the arrays its cache kinds name (core.cache_kinds): growing ones -- k / v for
-        # KV, the latent for MLA, index keys for a sparse-attention indexer; each [lead,
-        # positions, width] -- in ``arrays``, and fixed-size ones -- a linear-attention layer's
-        # conv window and recurrent state, float32, written in place -- in ``state``
-        self.arrays, self.state = [], []
-        for i, entry in enumerate(spec.cache_kinds):
-            parts, fixed = {}, {}
-            for kind in layer_kinds(entry):
-                if hasattr(kind, "parts"):
-                    for name, (lead, width) in kind.parts().items():
-                        parts[name] = (lead, width)
-                elif hasattr(kind, "state_parts"):
-                    for name, shape in kind.state_parts().items():
-                        fixed[name] = (tuple(shape), np.dtype(kind.dtype))
-                else:
-                    raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
-            self.arrays.append(parts)
-            self.state.append(fixed)
-        old = recycled if recycled is not None and len(recycled) == len(self.arrays) else None
-        if old is not None and any(a.dtype != self.dtype for layer, parts in zip(old, self.arrays)
-                                   for name, a in layer.items() if name in parts):
-            old = None           # another precision: nothing to write over
-        for i, (parts, fixed) in enumerate(zip(self.arrays, self.state)):
-            prev = old[i] if old is not None else {}
-            for name, (lead, width) in parts.items():
-                a = prev.get(name)
-                ok = a is not None and a.ndim == 3 and (a.shape[0], a.shape[2]) == (lead, width)
-                parts[name] = a if ok else np.empty((lead, 0, width), self.dtype)
-            for name, (shape, dt) in fixed.items():
-                a = prev.get(name)
-                if a is not None and a.shape == shape and a.dtype == dt:
-                    a.fill(0)            # a new sequence starts from the zero state
-                else:
-                    a = np.zeros(shape, dt)
-                fixed[name] = a
-        self._views()
-        self.length = 0     # positions committed (all layers)
-        # per layer, the positions its fixed state has folded in (== length after a whole pass;
-        # a pass cut short leaves them ahead, and a state layer then refuses to continue)
-        self.folded = [0] * len(self.arrays)
-        self.reserve = kv_reserved_positions(spec)
-
-    def _views(self) -> None:
-        # attention's keys and values per layer (None where a layer keeps no KV): the compiled
-        # decode block writes into these
-        self.k = [parts.get("k") for parts in self.arrays]
-        self.v = [parts.get("v") for parts in self.arrays]
-
-    def buffers(self) -> list[dict]:
-        """Every array, per layer (growing and fixed): what a new cache writes over (recycled)."""
-        return [{**parts, **fixed} for parts, fixed in zip(self.arrays, self.state)]
-
-    def capacity(self) -> int:
-        """Positions every layer has room for without growing."""
-        return min((a.shape[1] for parts in self.arrays for a in parts.values()), default=0)
-
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
-        [kv_heads, length+T, D] over [0, length+T)."""
-        return self.append_part(layer, "k", k), self.append_part(layer, "v", v)
-
-    def append_part(self, layer: int, name: str, x: np.ndarray) -> np.ndarray:
-        """Store x [T, lead, width] in one of a layer's arrays for positions [length, length+T)
-        and return the view [lead, length+T, width] over [0, length+T)."""
-        n = self.length + x.shape[0]
-        self.ensure(layer, n)
-        store = self.arrays[layer][name]
-        store[:, self.length: n] = x.transpose(1, 0, 2)
-        return store[:, :n]
-
-    def ensure(self, layer: int, n: int) -> None:
-        """Room for n positions in a layer's arrays (growing them, positions kept)."""
-        parts = self.arrays[layer]
-        for name, old in parts.items():
-            if old.shape[1] < n:
-                cap = max(n, 2 * old.shape[1], self.reserve)
-                grown = lazy_array((old.shape[0], cap, old.shape[2]), self.dtype)
-                grown[:, : self.length] = old[:, : self.length]
-                parts[name] = grown
-                if name in ("k", "v"):
-                    (self.k if name == "k" else self.v)[layer] = grown
 
 
 def token_logprobs(logits: np.ndarray, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -162,21 +58,14 @@ class Engine:
         self.governor = kernels.thread_governor() if threads is None else None
         c = container
         p = spec.prefix      # the language model's tensors in the checkpoint (core.arch.ArchSpec)
-        # untied: one row per token is read from the file when needed (RAM for the experts;
-        # core.planner.dense_ram_bytes leaves it out); tied, it is the head too: in RAM
-        self.embed = (c.load if spec.tie_word_embeddings else c.load_rows)(p + "embed_tokens.weight")
-        if self.embed.shape[0] != spec.vocab_size:
-            raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
-        if spec.tie_word_embeddings:
-            self.head = self.embed
-        elif "lm_head.weight" not in c:      # never the embedding in silence: the logits would be wrong
-            raise ColiError(f"{c.path}: lm_head.weight is missing (tie_word_embeddings is false)")
-        else:
-            self.head = c.load("lm_head.weight")
-        self.final_norm = norm_weight(c, p + "norm.weight", spec.norm_offset)
-        # each layer as the family composed it (ArchSpec.layer_plan: core.blocks)
+        # the ends as the family declared them (core.blocks.embed), else from the spec's fields
+        embedding, head = ends(spec)
+        self.embed = embedding.build(c, p)
+        self.head = head.build(c, p, spec.rms_norm_eps, self.embed)
+        # each layer as the family composed it (ArchSpec.layers: core.blocks.residual): the
+        # engine calls L(i, x, step) and knows nothing more of what a layer does
         self.layers = [decl.build(c, f"{p}layers.{i}.", spec.rms_norm_eps)
-                       for i, decl in enumerate(spec.layer_plan())]
+                       for i, decl in enumerate(spec.layers)]
         if store is None:
             from .tiered_store import TieredStore
             store = TieredStore(c, cap=spec.num_experts)      # everything fits: no eviction
@@ -184,12 +73,19 @@ class Engine:
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
-        self.rope = Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
+        # the named rotary tables a pass offers its blocks (Step.rope): those the family declares,
+        # and "main" from the spec's fields unless it declares that one too
+        self.rope_tables = dict(spec.rope_tables)
+        if "main" not in self.rope_tables:
+            self.rope_tables["main"] = Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim,
+                                            partial=spec.rope_partial)
         self._cancel = threading.Event()
         self._cancel_checks = False      # True while generate() runs: forward() may stop early
         moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]
-        # lookahead: after layer i's attention, the next MoE layer's norm + router predict its experts
+        # lookahead: after layer i's mixer, the next MoE layer's router predicts its experts
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(spec.num_layers)}
+        # layers whose experts follow from the token ids alone (hash routing): read before layer 0
+        self._known = [(i, L) for i, L in enumerate(self.layers) if hasattr(L, "known_experts")]
         self.trace = None            # a core.trace.TraceWriter while recording
         self.usage: dict[tuple[int, int], int] = {}        # routing counts since the last save
         self.usage_history: dict[tuple[int, int], float] = {}
@@ -254,17 +150,28 @@ class Engine:
         """True while generate() runs: a block may stop a long pass early (check_cancel)."""
         return self._cancel_checks
 
-    def _predict(self, i: int, x: np.ndarray) -> None:
-        """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
-        after layer i's attention and ask the store to start reading those experts."""
+    def _prefetching(self) -> bool:
+        return getattr(self.store, "prefetch_enabled", False) and not (
+            self._all_in_ram and self.store.cap >= self.spec.num_experts)    # not if the pool shrank since
+
+    def lookahead(self, i: int, x: np.ndarray, step) -> None:
+        """Lookahead prefetch (Step.mixed): the next MoE layer's router predicts from what it would
+        see of the residual x after layer i's mixer (its ``router_input``), and the store starts
+        reading those experts."""
         j = self._next_moe[i]
-        if j is None or not getattr(self.store, "prefetch_enabled", False) or (
-                self._all_in_ram and self.store.cap >= self.spec.num_experts):   # not if the pool shrank since
+        if j is None or not self._prefetching():
             return
         L = self.layers[j]
-        ranked = L.router.predict(rms_norm(x, L.post_norm, self.spec.rms_norm_eps))
+        ranked = L.router.predict(L.router_input(x, step))
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
+
+    def _known_experts(self, step) -> None:
+        """Before layer 0: the experts of layers that pick them from the token ids alone (hash
+        routing) are known with certainty; the store starts reading them."""
+        if self._known and self._prefetching():
+            for i, L in self._known:
+                self.store.prefetch(i, L.known_experts(step))
 
     def record_routing(self, i: int, top: np.ndarray, pos: np.ndarray) -> tuple[list[int], list[int]]:
         """A MoE block's routing of its positions (top [T, k]): counted for the routing history,
@@ -301,48 +208,32 @@ class Engine:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
-        s = self.spec
         plan = getattr(self, "plan", None)
         if plan is not None and cache.length + len(ids) > plan.kv_positions:
             from .planner import grow_kv_room     # the budget pays for the longer context
             grow_kv_room(plan, cache.length + len(ids), self.store, getattr(self, "_prefixes", None))
         if self.governor is not None:
             self.governor.update()
-        self.pass_state = {}         # what a block leaves for later layers of this pass (DSA's choice)
-        x = kernels.rows(self.embed, ids)
-        pos = np.arange(cache.length, cache.length + len(ids))
-        cos, sin = self.rope.cos_sin(pos)
+        step = self.step(ids, cache)
+        self._known_experts(step)
+        x = self.embed(ids, step)
         c = self.counters
-        # one decode position: each layer's attention (and router) is one compiled call
-        block = len(ids) == 1 and self.fused_attention
         for i, L in enumerate(self.layers):
             t0 = time.perf_counter()
-            routed = None
-            if block and L.attention_block is not None:
-                cache.ensure(i, cache.length + 1)
-                out = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length,
-                                        kernels.window_start(cache.length, L.attn.window), L.attn.scale)
-                if L.block_routes:       # the block ran the router too
-                    x, h, *routed = out
-                else:
-                    x = out
-            else:
-                x = x + L.attn(i, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos, self)
-            t1 = time.perf_counter()
-            self._predict(i, x)
-            if routed is None:
-                h = rms_norm(x, L.post_norm, s.rms_norm_eps)
-            x = x + L.ffn(i, h, pos, self, routed)
+            x = L(i, x, step)
             t2 = time.perf_counter()
-            c["attention_s"] += t1 - t0
-            c["experts_s"] += t2 - t1
+            c["attention_s"] += step.mixed_at - t0
+            c["experts_s"] += t2 - step.mixed_at
             self.check_cancel()
         cache.length += len(ids)
         t0 = time.perf_counter()
-        x = rms_norm(x if all_logits else x[-1:], self.final_norm, s.rms_norm_eps)
-        out = kernels.matmul(x, self.head)
+        out = self.head(x if all_logits else x[-1:], step)
         c["lm_head_s"] += time.perf_counter() - t0
         return out
+
+    def step(self, ids: np.ndarray, cache: KVCache) -> Step:
+        """The context of one pass of ids (int64) continuing cache (core.step)."""
+        return Step(ids, np.arange(cache.length, cache.length + len(ids)), cache, self.rope_tables, self)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, float32 [T, vocab], from one batched pass."""
@@ -505,8 +396,7 @@ class Engine:
             if logits is None:
                 logits = turn["logits"] = self.prefill(ids[cached:], cache)
             if turn.get("checkpoint") is True:
-                from .prefix_cache import state_checkpoint
-                turn["checkpoint"] = state_checkpoint(cache) if cache.length == len(ids) else None
+                turn["checkpoint"] = cache.checkpoint() if cache.length == len(ids) else None
         except _Cancelled:
             logits, reason = None, "cancelled"
             turn["cut"] = True       # a pass stopped inside: only its layers' fixed state saw it

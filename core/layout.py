@@ -157,13 +157,12 @@ def expected_tensors(spec: ArchSpec) -> list:
     """Every tensor the spec's layers need (core.blocks.common.Need), the embedding, final norm
     and head included: the one list of the checkpoint's tensors, read by this check, the
     converter, synthetic checkpoints and size estimates."""
-    from .blocks.common import Need
-    H, V, lay = spec.hidden_size, spec.vocab_size, spec.layout
-    out = [Need(lay.embed_name, (V, H)), Need(lay.norm_name, (H,))]
-    if not spec.tie_word_embeddings:
-        out.append(Need(lay.head, (V, H)))
-    for i, layer in enumerate(spec.layer_plan()):
-        out += layer.tensors(f"{lay.prefix}layers.{i}.", H)
+    from .blocks.embed import ends
+    H, p = spec.hidden_size, spec.prefix
+    embedding, head = ends(spec)
+    out = embedding.tensors(p) + head.tensors(p)
+    for i, layer in enumerate(spec.layers):
+        out += layer.tensors(f"{p}layers.{i}.", H)
     return out
 
 
