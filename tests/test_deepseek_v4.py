@@ -1,0 +1,202 @@
+"""DeepSeek V4 (models/deepseek_v4.py on core.blocks.mhc / shared_kv) against transformers 5.25's
+DeepseekV4ForCausalLM: tiny random models with every feature on -- the three layer types, hash
+layers, sinks, a window shorter than the prompt, compression ratios 4 and 8 completing several
+blocks, an indexer top-k below the entries, yarn on the compress table, clamping active --
+saved with save_pretrained and read back as the container's tensors. Prefill logits within 1e-4;
+decode through the caches one position at a time within 1e-5 of our prefill and 1e-4 of
+transformers' own decode. (A minimal local driver runs the layers until core.engine's step loop
+takes them.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("this transformers has no deepseek_v4", allow_module_level=True)
+
+from core.container import Weight                              # noqa: E402
+from core.errors import ColiError                              # noqa: E402
+from core.safetensors_io import SafetensorsFile                # noqa: E402
+from core.store import ExpertFFN                               # noqa: E402
+from models.deepseek_v4 import DeepseekV4, DeepseekV4Model     # noqa: E402
+
+T = 40
+LIMIT = 1.0
+
+
+class Tensors:
+    """A save_pretrained checkpoint's tensors as the blocks load them (c.load / in)."""
+
+    def __init__(self, path):
+        self.f = SafetensorsFile(path / "model.safetensors")
+
+    def __contains__(self, name):
+        return name in self.f.tensors
+
+    def load(self, name):
+        a = np.ascontiguousarray(self.f.float32(name) if not name.endswith("tid2eid") else self.f.raw(name))
+        return Weight("dense", a.shape, a)
+
+
+class Store:
+    def __init__(self, c):
+        self.c = c
+
+    def request_batches(self, i, used):
+        for e in used:
+            p = f"model.layers.{i}.ffn.experts.{e}."
+            yield [(e, ExpertFFN(*(self.c.load(p + n + ".weight") for n in ("w1", "w3", "w2"))))]
+
+
+class Step:
+    """The contract's step (core/step.py to come): ids, positions, caches, named rotary tables,
+    the store's face."""
+    cancel_checks = False
+
+    def __init__(self, model, ids, pos, cache, store):
+        self.ids, self.pos, self.cache, self.store = ids, pos, cache, store
+        self.model, self.tables = model, {}
+
+    def rope(self, name):
+        if name not in self.tables:
+            self.tables[name] = self.model.ropes[name].cos_sin(self.pos)
+        return self.tables[name]
+
+    def record_routing(self, i, top, pos):
+        return (top[0].tolist(), sorted(top[0].tolist())) if top.shape[0] == 1 else ([], np.unique(top).tolist())
+
+    def check_cancel(self):
+        pass
+
+
+def forward(model, store, ids, start, cache):
+    step = Step(model, ids, np.arange(start, start + len(ids)), cache, store)
+    x = model.embed(ids, step)
+    for i, layer in enumerate(model.layers):
+        x = layer(i, x, step)
+    return model.head(x, step)
+
+
+def tiny_config(**kw):
+    cfg = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+               num_attention_heads=4, head_dim=16, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=8,
+               layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                            "compressed_sparse_attention"],
+               mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+               sliding_window=8, o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=8, index_topk=3,
+               partial_rotary_factor=0.5, max_position_embeddings=64, swiglu_limit=LIMIT,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    cfg.update(kw)
+    return transformers.DeepseekV4Config(**cfg)
+
+
+def randomize(m, seed):
+    """Every parameter and buffer random (sinks, biases, position biases and hc scales are zero
+    or one at init), gate / up scaled so the clamp bites; tid2eid rows distinct experts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g) + (1 if name.endswith("scale") else 0))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 * (2 if "gate_up" in name else 1))
+        for name, b in m.named_buffers():
+            if name.endswith("tid2eid"):
+                E = m.config.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(E, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def reference(cfg, seed, tmp_path):
+    torch.manual_seed(seed)
+    m = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    randomize(m, seed)
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed + 1))
+    clamped = []
+    experts = type(m.model.layers[0].mlp.experts)
+    gate = experts._apply_gate
+
+    def spy(self, gate_up):
+        clamped.append(bool((gate_up.abs() > self.limit).any()))
+        return gate(self, gate_up)
+
+    experts._apply_gate = spy
+    try:
+        with torch.no_grad():
+            full = m(ids).logits[0].numpy()
+            cache = transformers.DynamicCache(config=cfg)
+            steps = np.stack([m(ids[:, t: t + 1], cache=cache, use_cache=True).logits[0, 0].numpy()
+                              for t in range(T)])
+    finally:
+        experts._apply_gate = gate
+    assert any(clamped), "the test model must clamp"
+    m.save_pretrained(tmp_path)
+    return ids[0].numpy(), full, steps
+
+
+def ours(tmp_path):
+    import json
+    config = json.loads((tmp_path / "config.json").read_text())
+    c = Tensors(tmp_path)
+    spec = DeepseekV4.spec(config)
+    return DeepseekV4Model(c, spec, config), Store(c)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_and_decode_match_transformers(tmp_path, seed):
+    ids, full, steps = reference(tiny_config(), seed, tmp_path)
+    model, store = ours(tmp_path)
+    got = forward(model, store, ids, 0, model.new_cache())
+    assert np.abs(got - full).max() <= 1e-4
+    assert (got.argmax(-1) == full.argmax(-1)).all()
+    cache = model.new_cache()
+    dec = np.concatenate([forward(model, store, ids[t: t + 1], t, cache) for t in range(T)])
+    assert np.abs(dec - got).max() <= 2e-5
+    assert np.abs(dec - steps).max() <= 1e-4
+
+
+def test_chunked_prefill_continues_the_caches(tmp_path):
+    """A prompt in uneven chunks (partial blocks carried, overlap state across calls) gives the
+    one-pass logits."""
+    ids, full, _ = reference(tiny_config(), 2, tmp_path)
+    model, store = ours(tmp_path)
+    cache, parts, at = model.new_cache(), [], 0
+    for n in (5, 11, 1, 3, 20):
+        parts.append(forward(model, store, ids[at: at + n], at, cache))
+        at += n
+    assert np.abs(np.concatenate(parts) - full).max() <= 1e-4
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("scoring_func", "softmax", "scoring_func 'softmax'"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("layer_types", ["sliding_attention", "full_attention"], "layer_types must list"),
+    ("hidden_act", "gelu", "hidden_act"),
+])
+def test_refuses_what_it_does_not_run(field, value, words):
+    config = tiny_config(num_hidden_layers=2, layer_types=None, mlp_layer_types=None).to_dict()
+    config[field] = value
+    with pytest.raises(ColiError, match=words):
+        DeepseekV4.spec(config)
+
+
+def test_reads_deepseeks_own_config_fields():
+    """The release's config.json: compress_ratios per layer (MTP entries past the layers),
+    num_hash_layers, qk_rope_head_dim, rope_scaling (yarn) at the top level."""
+    config = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16,
+                  num_hidden_layers=3, num_attention_heads=4, head_dim=16, q_lora_rank=16, n_routed_experts=8,
+                  num_experts_per_tok=2, compress_ratios=[0, 4, 16, 4], num_hash_layers=1, qk_rope_head_dim=8,
+                  o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8,
+                  rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536})
+    spec = DeepseekV4.spec(config)
+    kinds = [tuple(k.name for k in kind) for kind in spec.cache_kinds]
+    assert kinds == [("ring",), ("ring", "compressor", "indexer"), ("ring", "compressor")]
+    assert spec.cache_kinds[2][1].ratio == 16 and spec.rope_dim == 8
+    assert [type(l.ffn.moe.router).__name__ for l in spec.layers] == ["HashRouter", "ScoreRouter", "ScoreRouter"]
+    assert dict(spec.rope_tables["compress"])["attention_factor"] == 1.0
