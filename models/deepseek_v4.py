@@ -20,7 +20,7 @@ import numpy as np
 from core import kernels
 from core.arch import ArchSpec, ConfigReader, common_spec
 from core.blocks.common import Need, norm_weight
-from core.blocks.mhc import MHC, HyperHead, expand
+from core.blocks.mhc import MHC, StreamEmbedding, StreamHead
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import ScoreRouter, chosen_weights, route_scores
 from core.blocks.shared_kv import SharedKV, pair_tables, rope_pairs_tail
@@ -92,8 +92,8 @@ def mlp_kinds(r: ConfigReader, n: int) -> list[str]:
     return list(kinds[:n])
 
 
-def rope_tables(r: ConfigReader, rope_dim: int) -> dict[str, dict]:
-    """The "main" and "compress" rotary parameters: nested as transformers saves them, or built
+def rope_tables(r: ConfigReader, rope_dim: int) -> dict[str, Rope]:
+    """The "main" and "compress" rotary tables over the rope dims: nested as transformers saves them, or built
     from ``rope_theta`` (main, plain) and ``compress_rope_theta`` with the flat ``rope_parameters``
     / ``rope_scaling`` (compress; yarn there multiplies cos / sin by nothing: attention_factor 1)."""
     c = r.config
@@ -116,13 +116,8 @@ def rope_tables(r: ConfigReader, rope_dim: int) -> dict[str, dict]:
         if table["rope_type"] in ("yarn", "llama3", "longrope"):
             table.setdefault("original_max_position_embeddings", r.get("max_position_embeddings"))
         table["partial_rotary_factor"] = 1.0   # the tables below are built over the rope dims alone
-    for name, table in tables.items():       # refused here (one line), not at load
-        Rope({"rope_parameters": table, "max_position_embeddings": r.get("max_position_embeddings")}, rope_dim, True)
-    return tables
-
-
-def make_rope(table: dict, rope_dim: int, max_positions) -> Rope:
-    return Rope({"rope_parameters": table, "max_position_embeddings": max_positions}, rope_dim, partial=True)
+    return {name: Rope({"rope_parameters": t, "max_position_embeddings": r.get("max_position_embeddings")},
+                       rope_dim, partial=True) for name, t in tables.items()}
 
 
 # --- cache kinds (belong with core/cache.py's kinds once that lands) --------------------------------
@@ -171,9 +166,7 @@ class Compressor:
     dim: int
     ratio: int
     overlap: bool
-    rope: tuple             # the "compress" table's parameters, as items
-    rope_dim: int
-    max_positions: int
+    rope: Rope              # the "compress" table (entries turn at their block's first position)
     name: str = "compressor"
 
     def tensors(self, p: str) -> list[Need]:
@@ -194,7 +187,6 @@ class CompressorBlock:
         self.kv, self.gate = c.load(p + "wkv.weight"), c.load(p + "wgate.weight")
         self.bias = kernels.vector(c.load(p + "ape"))
         self.norm = norm_weight(c, p + "norm.weight")
-        self.rope = make_rope(dict(spec.rope), spec.rope_dim, spec.max_positions)
 
     def update(self, h: np.ndarray, st: CompressedState) -> np.ndarray:
         """Fold the rows of h [T, hidden] into the state; returns every entry so far [N, dim]."""
@@ -217,7 +209,7 @@ class CompressorBlock:
         w = np.exp(gate - gate.max(axis=1, keepdims=True))
         w /= w.sum(axis=1, keepdims=True)
         entries = kernels.rms_norm((kv * w).sum(axis=1, dtype=np.float32), self.norm, self.eps)
-        cos, sin = pair_tables(*self.rope.cos_sin(st.count * m + m * np.arange(n)))
+        cos, sin = pair_tables(*s.rope.cos_sin(st.count * m + m * np.arange(n)))
         entries = rope_pairs_tail(entries[:, None, :], cos, sin)[:, 0]
         st.entries, st.count = np.concatenate([st.entries, entries]), st.count + n
         return st.entries
@@ -367,6 +359,8 @@ class StepMoEBlock:
 
     def __init__(self, block):
         self.block, self.router = block, block.router
+        if isinstance(self.router, HashTopK):      # the engine prefetches these before layer 0
+            self.known_experts = lambda step: self.router.known(step.ids)
 
     def __call__(self, i: int, h: np.ndarray, step) -> np.ndarray:
         routed = self.router.route(h, step.ids) if isinstance(self.router, HashTopK) else None
@@ -394,8 +388,7 @@ class DeepseekV4:
         heads, G = spec.num_heads, r.positive_int("o_groups")
         r.refuse((heads * D) % G != 0, f"o_groups {G} not dividing {heads} x {D}")
         tables = rope_tables(r, rope_dim)
-        mpe = r.get("max_position_embeddings")
-        compress = tuple(sorted(tables["compress"].items()))
+        compress = tables["compress"]
         limit = r.number("swiglu_limit")
         I, E, k = r.positive_int("moe_intermediate_size"), spec.num_experts, spec.top_k
         r.refuse(E == 0, "a model without routed experts")
@@ -408,52 +401,24 @@ class DeepseekV4:
             if kind != SLIDING:
                 indexer = None
                 if kind == CSA:
-                    idx = Compressor(H, r.positive_int("index_head_dim"), ratio, True, compress, rope_dim, mpe, "indexer")
+                    idx = Compressor(H, r.positive_int("index_head_dim"), ratio, True, compress, "indexer")
                     r.refuse(idx.dim < rope_dim, f"index_head_dim {idx.dim} below the rope dims ({rope_dim})")
                     indexer = Indexer(idx, r.positive_int("index_n_heads"), q_rank, r.positive_int("index_topk"))
-                extra = CompressedKeys(Compressor(H, D, ratio, kind == CSA, compress, rope_dim, mpe), indexer)
+                extra = CompressedKeys(Compressor(H, D, ratio, kind == CSA, compress), indexer)
             mixer = SharedKV(H, heads, D, rope_dim, q_rank, G, r.positive_int("o_lora_rank"), window,
                              "main" if kind == SLIDING else "compress", extra)
             router = (HashRouter(k, fn, scaling, spec.vocab_size) if mlp == "hash_moe"
                       else ScoreRouter(k, fn, scaling, bias_name="bias"))
-            ffn = StepMoE(MoE(H, E, router, I, shared=SwiGLU(H, I, limit, W123), limit=limit, expert_parts=W123))
-            layers.append(MHC(H, r.positive_int("hc_mult"), r.positive_int("hc_sinkhorn_iters"),
+            ffn = StepMoE(MoE(H, E, router, I, shared=SwiGLU(H, I, W123), limit=limit, expert_parts=W123))
+            layers.append(MHC(r.positive_int("hc_mult"), r.positive_int("hc_sinkhorn_iters"),
                               r.number("hc_eps"), mixer, ffn))
         spec.layers = layers
         spec.mlp_kinds = ["moe"] * n
         spec.cache_kinds = [layer.cache_kind() for layer in layers]
         spec.num_kv_heads, spec.rope_dim, spec.rope_partial = 1, rope_dim, True
-        spec.expert_intermediate = I
-        spec.rope_tables = {name: tuple(sorted(t.items())) for name, t in tables.items()}
+        spec.expert_intermediate, spec.expert_parts = I, W123
+        n_hc = layers[0].n if layers else r.positive_int("hc_mult")
+        spec.embedding = StreamEmbedding(spec.vocab_size, H, n_hc)
+        spec.head = StreamHead(spec.vocab_size, H, n_hc, r.number("hc_eps"), spec.tie_word_embeddings, "head.weight")
+        spec.rope_tables = tables
         return spec
-
-
-class DeepseekV4Model:
-    """The loaded model: ``embed(ids, step)`` -> streams, ``layers`` (L(i, x, step)),
-    ``head(x, step)`` -> logits; ``ropes`` the named tables step.rope reads;
-    ``known_experts(ids)`` the hash layers' experts, known before layer 0."""
-
-    def __init__(self, c, spec: ArchSpec, config: dict):
-        p, eps = spec.prefix, spec.rms_norm_eps
-        self.spec, self.n = spec, spec.layers[0].n
-        self.embed_w = c.load(p + "embed_tokens.weight")
-        self.layers = [decl.build(c, f"{p}layers.{i}.", eps) for i, decl in enumerate(spec.layers)]
-        self.hc_head = HyperHead(c, p + "hc_head.", self.n, spec.layers[0].hc_eps, eps)
-        self.norm = norm_weight(c, p + "norm.weight")
-        self.lm_head = self.embed_w if spec.tie_word_embeddings else c.load("head.weight")
-        mpe = spec.max_position_embeddings
-        self.ropes = {name: make_rope(dict(t), spec.rope_dim, mpe) for name, t in spec.rope_tables.items()}
-
-    def embed(self, ids: np.ndarray, step) -> np.ndarray:
-        return expand(kernels.rows(self.embed_w, ids), self.n)
-
-    def head(self, x: np.ndarray, step) -> np.ndarray:
-        return kernels.matmul(kernels.rms_norm(self.hc_head(x), self.norm, self.spec.rms_norm_eps), self.lm_head)
-
-    def known_experts(self, ids: np.ndarray) -> dict[int, list[int]]:
-        return {i: L.ffn.router.known(ids) for i, L in enumerate(self.layers) if isinstance(L.router, HashTopK)}
-
-    def new_cache(self) -> list[dict]:
-        """Per layer, its states by kind name (core/cache.py will own this)."""
-        from core.cache_kinds import layer_kinds
-        return [{k.name: k.make() for k in layer_kinds(e)} for e in self.spec.cache_kinds]

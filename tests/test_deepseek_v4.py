@@ -20,7 +20,8 @@ from core.container import Weight                              # noqa: E402
 from core.errors import ColiError                              # noqa: E402
 from core.safetensors_io import SafetensorsFile                # noqa: E402
 from core.store import ExpertFFN                               # noqa: E402
-from models.deepseek_v4 import DeepseekV4, DeepseekV4Model     # noqa: E402
+from core.cache_kinds import layer_kinds                       # noqa: E402
+from models.deepseek_v4 import DeepseekV4                      # noqa: E402
 
 T = 40
 LIMIT = 1.0
@@ -50,18 +51,33 @@ class Store:
             yield [(e, ExpertFFN(*(self.c.load(p + n + ".weight") for n in ("w1", "w3", "w2"))))]
 
 
+class Model:
+    """The family's blocks as core.engine will hold them (embedding, layers, head)."""
+
+    def __init__(self, c, spec):
+        p, eps = spec.prefix, spec.rms_norm_eps
+        self.spec, self.store = spec, Store(c)
+        self.embed = spec.embedding.build(c, p)
+        self.layers = [decl.build(c, f"{p}layers.{i}.", eps) for i, decl in enumerate(spec.layers)]
+        self.head = spec.head.build(c, p, eps, self.embed)
+
+    def new_cache(self):
+        """Per layer, its states by kind name (core/cache.py's job once that lands)."""
+        return [{k.name: k.make() for k in layer_kinds(e)} for e in self.spec.cache_kinds]
+
+
 class Step:
     """The contract's step (core/step.py to come): ids, positions, caches, named rotary tables,
     the store's face."""
     cancel_checks = False
 
-    def __init__(self, model, ids, pos, cache, store):
-        self.ids, self.pos, self.cache, self.store = ids, pos, cache, store
+    def __init__(self, model, ids, pos, cache):
+        self.ids, self.pos, self.cache, self.store = ids, pos, cache, model.store
         self.model, self.tables = model, {}
 
     def rope(self, name):
         if name not in self.tables:
-            self.tables[name] = self.model.ropes[name].cos_sin(self.pos)
+            self.tables[name] = self.model.spec.rope_tables[name].cos_sin(self.pos)
         return self.tables[name]
 
     def record_routing(self, i, top, pos):
@@ -70,9 +86,12 @@ class Step:
     def check_cancel(self):
         pass
 
+    def mixed(self, i, x):
+        pass
 
-def forward(model, store, ids, start, cache):
-    step = Step(model, ids, np.arange(start, start + len(ids)), cache, store)
+
+def forward(model, ids, start, cache):
+    step = Step(model, ids, np.arange(start, start + len(ids)), cache)
     x = model.embed(ids, step)
     for i, layer in enumerate(model.layers):
         x = layer(i, x, step)
@@ -113,7 +132,8 @@ def randomize(m, seed):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def reference(cfg, seed, tmp_path):
+def reference(cfg, seed, path):
+    """transformers' prefill and decode logits of a random model, saved at path."""
     torch.manual_seed(seed)
     m = transformers.DeepseekV4ForCausalLM(cfg).eval()
     randomize(m, seed)
@@ -126,7 +146,8 @@ def reference(cfg, seed, tmp_path):
         clamped.append(bool((gate_up.abs() > self.limit).any()))
         return gate(self, gate_up)
 
-    experts._apply_gate = spy
+    experts._apply_gate, threads = spy, torch.get_num_threads()
+    torch.set_num_threads(1)        # tiny products: threads only wait on each other
     try:
         with torch.no_grad():
             full = m(ids).logits[0].numpy()
@@ -135,40 +156,44 @@ def reference(cfg, seed, tmp_path):
                               for t in range(T)])
     finally:
         experts._apply_gate = gate
+        torch.set_num_threads(threads)
     assert any(clamped), "the test model must clamp"
-    m.save_pretrained(tmp_path)
+    m.save_pretrained(path)
     return ids[0].numpy(), full, steps
 
 
-def ours(tmp_path):
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dsv4")
+    return (path, *reference(tiny_config(), 0, path))
+
+
+def ours(path):
     import json
-    config = json.loads((tmp_path / "config.json").read_text())
-    c = Tensors(tmp_path)
-    spec = DeepseekV4.spec(config)
-    return DeepseekV4Model(c, spec, config), Store(c)
+    config = json.loads((path / "config.json").read_text())
+    return Model(Tensors(path), DeepseekV4.spec(config))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_prefill_and_decode_match_transformers(tmp_path, seed):
-    ids, full, steps = reference(tiny_config(), seed, tmp_path)
-    model, store = ours(tmp_path)
-    got = forward(model, store, ids, 0, model.new_cache())
+def test_prefill_and_decode_match_transformers(case):
+    path, ids, full, steps = case
+    model = ours(path)
+    got = forward(model, ids, 0, model.new_cache())
     assert np.abs(got - full).max() <= 1e-4
     assert (got.argmax(-1) == full.argmax(-1)).all()
     cache = model.new_cache()
-    dec = np.concatenate([forward(model, store, ids[t: t + 1], t, cache) for t in range(T)])
+    dec = np.concatenate([forward(model, ids[t: t + 1], t, cache) for t in range(T)])
     assert np.abs(dec - got).max() <= 2e-5
     assert np.abs(dec - steps).max() <= 1e-4
 
 
-def test_chunked_prefill_continues_the_caches(tmp_path):
+def test_chunked_prefill_continues_the_caches(case):
     """A prompt in uneven chunks (partial blocks carried, overlap state across calls) gives the
     one-pass logits."""
-    ids, full, _ = reference(tiny_config(), 2, tmp_path)
-    model, store = ours(tmp_path)
+    path, ids, full, _ = case
+    model = ours(path)
     cache, parts, at = model.new_cache(), [], 0
     for n in (5, 11, 1, 3, 20):
-        parts.append(forward(model, store, ids[at: at + n], at, cache))
+        parts.append(forward(model, ids[at: at + n], at, cache))
         at += n
     assert np.abs(np.concatenate(parts) - full).max() <= 1e-4
 
@@ -199,4 +224,42 @@ def test_reads_deepseeks_own_config_fields():
     assert kinds == [("ring",), ("ring", "compressor", "indexer"), ("ring", "compressor")]
     assert spec.cache_kinds[2][1].ratio == 16 and spec.rope_dim == 8
     assert [type(l.ffn.moe.router).__name__ for l in spec.layers] == ["HashRouter", "ScoreRouter", "ScoreRouter"]
-    assert dict(spec.rope_tables["compress"])["attention_factor"] == 1.0
+    main, compress = spec.rope_tables["main"], spec.rope_tables["compress"]
+    assert compress.attention_scaling == 1.0 and not np.allclose(main.inv_freq, compress.inv_freq)
+
+
+def test_lookahead_sees_what_the_router_sees(case):
+    """router_input of the streams after a layer's attention (the engine's lookahead, at
+    step.mixed) is the ffn's own input; a hash layer's known experts are the ones it routes to."""
+    path, ids, _, _ = case
+    model = ours(path)
+    seen, mixed = {}, {}
+    for i, L in enumerate(model.layers):
+        inner = L.ffn
+
+        def spy(j, h, step, inner=inner):
+            seen[j] = (h, inner.router.route(h, step.ids) if hasattr(inner, "known_experts") else inner.router.route(h))
+            return inner(j, h, step)
+        L.ffn = spy
+    step = Step(model, ids, np.arange(len(ids)), model.new_cache())
+    step.mixed = lambda i, x: mixed.__setitem__(i, model.layers[i].router_input(x, step))
+    x = model.embed(ids, step)
+    for i, L in enumerate(model.layers):
+        x = L(i, x, step)
+    hashed = [i for i, L in enumerate(model.layers) if hasattr(L, "known_experts")]
+    assert hashed == [0, 1]
+    for i in range(len(model.layers)):
+        assert np.array_equal(mixed[i], seen[i][0])
+    for i in hashed:
+        assert set(model.layers[i].known_experts(step)) == set(np.unique(seen[i][1][0]).tolist())
+
+
+def test_cache_kinds_of_the_flash_geometry():
+    """Bytes per position and fixed bytes per kind at DeepSeek V4 Flash's sizes (coli plan's)."""
+    from core.cache_kinds import describe
+    config = dict(model_type="deepseek_v4", num_hidden_layers=4, compress_ratios=[0, 0, 4, 128, 4])
+    kinds = DeepseekV4.spec(config).cache_kinds
+    ring, (_, csa, index), (_, hca) = kinds[0][0], kinds[2], kinds[3]
+    assert ring.fixed_bytes() == 127 * (512 * 4 + 8) and ring.bytes_per_position() == 0
+    assert (csa.bytes_per_position(), index.bytes_per_position(), hca.bytes_per_position()) == (512, 128, 16)
+    assert "compressed entries (512 per 4 positions) + indexer keys (128 per 4 positions)" in describe(kinds)

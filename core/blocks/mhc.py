@@ -3,7 +3,7 @@
 streams gives three mixes -- ``pre`` (collapse the streams into the sublayer's input), ``post``
 (spread its output back over the streams) and ``comb`` (mix the streams themselves, made doubly
 stochastic by Sinkhorn-Knopp) -- as transformers' ``DeepseekV4HyperConnection``; the head
-collapses the streams once more (``DeepseekV4HyperHead``). Everything here is float32 numpy
+collapses the streams once more (``DeepseekV4HyperHead``, StreamHead). Everything here is float32 numpy
 (no compiled path yet)."""
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ class MHC:
     (``attn_norm`` / ``ffn_norm``), as transformers' DeepseekV4DecoderLayer; the names are the
     ones its save_pretrained writes (DeepSeek's). ``mixer`` / ``ffn`` are declarations with
     ``tensors(prefix)`` and ``build(c, prefix[, eps])``."""
-    hidden: int
     n: int                  # hc_mult
     iters: int              # hc_sinkhorn_iters
     hc_eps: float
@@ -82,9 +81,9 @@ class MHC:
     def kind(self) -> str:
         return "moe" if hasattr(self.ffn, "num_experts") else "dense"
 
-    def tensors(self, p: str) -> list[Need]:
-        mixes, width = (2 + self.n) * self.n, self.n * self.hidden
-        out = [Need(p + "attn_norm.weight", (self.hidden,)), Need(p + "ffn_norm.weight", (self.hidden,))]
+    def tensors(self, p: str, hidden: int) -> list[Need]:
+        mixes, width = (2 + self.n) * self.n, self.n * hidden
+        out = [Need(p + "attn_norm.weight", (hidden,)), Need(p + "ffn_norm.weight", (hidden,))]
         for hc in ("hc_attn_", "hc_ffn_"):
             out += [Need(p + hc + "fn", (mixes, width)), Need(p + hc + "base", (mixes,)),
                     Need(p + hc + "scale", (3,))]
@@ -104,14 +103,18 @@ class MHC:
 
 
 class MHCLayer:
-    """L(i, x, step) -> x for the streams x [T, n, H]; ``router_input`` is what this layer's
-    router sees given the streams arriving at its ffn (the ffn_hc collapse, then the norm)."""
+    """L(i, x, step) -> x for the streams x [T, n, H], calling ``step.mixed(i, x)`` between the
+    halves (the engine's clock and lookahead, as core.blocks.residual's PreNorm does);
+    ``router_input`` is what this layer's router sees given the streams arriving at its ffn (the
+    ffn_hc collapse, then the norm)."""
 
     def __init__(self, attn_hc, attn_norm, mixer, ffn_hc, ffn_norm, ffn, eps: float):
         self.attn_hc, self.attn_norm, self.mixer = attn_hc, attn_norm, mixer
         self.ffn_hc, self.ffn_norm, self.ffn, self.eps = ffn_hc, ffn_norm, ffn, eps
         self.kind = getattr(ffn, "kind", "dense")
         self.router = getattr(ffn, "router", None)
+        if hasattr(ffn, "known_experts"):        # hash routing: the experts follow from the ids
+            self.known_experts = ffn.known_experts
 
     def _sublayer(self, i, x, step, hc, norm, block):
         pre, post, comb = hc.mixes(x)
@@ -119,6 +122,7 @@ class MHCLayer:
 
     def __call__(self, i: int, x: np.ndarray, step) -> np.ndarray:
         x = self._sublayer(i, x, step, self.attn_hc, self.attn_norm, self.mixer)
+        step.mixed(i, x)
         return self._sublayer(i, x, step, self.ffn_hc, self.ffn_norm, self.ffn)
 
     def router_input(self, x: np.ndarray, step) -> np.ndarray:
@@ -131,20 +135,64 @@ def expand(h: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(h[:, None, :], (h.shape[0], n, h.shape[1])), dtype=np.float32)
 
 
-class HyperHead:
-    """The last collapse before the final norm: sigmoid(fn x * scale + base) + eps per stream
-    (``hc_head.hc_fn`` [n, n H], ``hc_base`` [n], ``hc_scale`` [1])."""
+@dataclass(frozen=True)
+class StreamEmbedding:
+    """The token embedding ``{prefix}embed_tokens.weight`` [vocab, hidden], copied into ``n``
+    streams (the engine's ``embed(ids, step)``)."""
+    vocab: int
+    hidden: int
+    n: int
 
-    @staticmethod
-    def tensors(p: str, n: int, hidden: int) -> list[Need]:
-        return [Need(p + "hc_fn", (n, n * hidden)), Need(p + "hc_base", (n,)), Need(p + "hc_scale", (1,))]
+    def tensors(self, p: str) -> list[Need]:
+        return [Need(p + "embed_tokens.weight", (self.vocab, self.hidden))]
 
-    def __init__(self, c, p: str, n: int, hc_eps: float, norm_eps: float):
-        self.fn, self.base, self.scale = (kernels.vector(c.load(p + k)) for k in ("hc_fn", "hc_base", "hc_scale"))
-        if self.fn.shape[0] != n:
-            raise ColiError(f"{p}hc_fn: {self.fn.shape[0]} streams, the config says {n}")
-        self.hc_eps, self.norm_eps = np.float32(hc_eps), norm_eps
+    def build(self, c, p: str) -> "StreamEmbeddingBlock":
+        return StreamEmbeddingBlock(self, c, p)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        flat = unweighted_rms_norm(x.reshape(x.shape[0], -1), self.norm_eps) @ self.fn.T
+
+class StreamEmbeddingBlock:
+    def __init__(self, decl: StreamEmbedding, c, p: str):
+        self.weight, self.n = c.load(p + "embed_tokens.weight"), decl.n
+        if self.weight.shape[0] != decl.vocab:
+            raise ColiError(f"embedding has {self.weight.shape[0]} rows but vocab_size is {decl.vocab}")
+
+    def __call__(self, ids: np.ndarray, step) -> np.ndarray:
+        return expand(kernels.rows(self.weight, ids), self.n)
+
+
+@dataclass(frozen=True)
+class StreamHead:
+    """The head after mHC layers (transformers' DeepseekV4HyperHead, then the final norm and the
+    head): the streams collapsed by sigmoid(hc_fn x * hc_scale + hc_base) + hc_eps
+    (``{prefix}hc_head.hc_fn`` [n, n H], ``hc_base`` [n], ``hc_scale`` [1], x RMS-normed and
+    flattened), ``{prefix}norm.weight``, then ``head`` [vocab, hidden] or the embedding (tied)."""
+    vocab: int
+    hidden: int
+    n: int
+    hc_eps: float
+    tied: bool = False
+    head: str = "lm_head.weight"        # DeepSeek V4's checkpoints: head.weight
+
+    def tensors(self, p: str) -> list[Need]:
+        n, H = self.n, self.hidden
+        out = [Need(p + "hc_head.hc_fn", (n, n * H)), Need(p + "hc_head.hc_base", (n,)),
+               Need(p + "hc_head.hc_scale", (1,)), Need(p + "norm.weight", (H,))]
+        return out + ([] if self.tied else [Need(self.head, (self.vocab, H))])
+
+    def build(self, c, p: str, eps: float, embedding) -> "StreamHeadBlock":
+        return StreamHeadBlock(self, c, p, eps, embedding)
+
+
+class StreamHeadBlock:
+    def __init__(self, decl: StreamHead, c, p: str, eps: float, embedding):
+        self.fn, self.base, self.scale = (kernels.vector(c.load(p + "hc_head." + k)) for k in ("hc_fn", "hc_base", "hc_scale"))
+        self.hc_eps, self.eps = np.float32(decl.hc_eps), eps
+        self.norm = norm_weight(c, p + "norm.weight")
+        self.weight = embedding.weight if decl.tied else c.load(decl.head)
+
+    def collapse(self, x: np.ndarray) -> np.ndarray:
+        flat = unweighted_rms_norm(x.reshape(x.shape[0], -1), self.eps) @ self.fn.T
         return collapse(x, sigmoid(flat * self.scale[0] + self.base) + self.hc_eps)
+
+    def __call__(self, x: np.ndarray, step) -> np.ndarray:
+        return kernels.matmul(kernels.rms_norm(self.collapse(x), self.norm, self.eps), self.weight)

@@ -31,7 +31,6 @@ class SwiGLU:
     """down(silu(gate x) * up x); ``intermediate`` None: whatever the tensors say (consistently)."""
     hidden: int
     intermediate: int | None = None
-    limit: float | None = None          # clamped SwiGLU (expert_ffn)
     parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")   # DeepSeek V4: w1, w3, w2
 
     def tensors(self, p: str) -> list[Need]:
@@ -42,17 +41,17 @@ class SwiGLU:
         return [Need(gate, (I, H)), Need(up, (I, H)), Need(down, (H, I))]
 
     def build(self, c, p: str) -> "DenseMLP":
-        return DenseMLP(ExpertFFN(*(c.load(p + n + ".weight") for n in self.parts)), self.limit)
+        return DenseMLP(ExpertFFN(*(c.load(p + n + ".weight") for n in self.parts)))
 
 
 class DenseMLP:
     kind = "dense"
 
-    def __init__(self, ffn: ExpertFFN, limit: float | None = None):
-        self.mlp, self.limit = ffn, limit
+    def __init__(self, ffn: ExpertFFN):
+        self.mlp = ffn
 
     def __call__(self, i, h, pos, ctx, routed=None):
-        return expert_ffn(h, self.mlp, self.limit)
+        return expert_ffn(h, self.mlp)
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class MoE:
     # the routed experts' tensor names (gate, up, down) as the checkpoint has them: Kimi's
     # ``w1`` / ``w3`` / ``w2``; the container maps them back (manifest ``expert_parts``)
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    limit: float | None = None      # the routed experts' clamped SwiGLU (expert_ffn)
+    limit: float | None = None      # the clamped SwiGLU (expert_ffn) of routed and shared experts
 
     def tensors(self, p: str) -> list[Need]:
         out = list(self.router.tensors(p, self.num_experts, self.hidden))
@@ -88,7 +87,7 @@ class MoE:
         return out
 
     def build(self, c, p: str) -> "MoEBlock":
-        shared = self.shared.build(c, p + self.shared_prefix) if self.shared is not None else None
+        shared = self.shared.build(c, p + self.shared_prefix).mlp if self.shared is not None else None
         gate = c.load(p + "shared_expert_gate.weight") if shared is not None and self.shared_gate else None
         return MoEBlock(self.router.build(c, p, self.num_experts, self.hidden), shared, gate, self.limit)
 
@@ -96,7 +95,7 @@ class MoE:
 class MoEBlock:
     kind = "moe"
 
-    def __init__(self, router, shared: DenseMLP | None = None, shared_gate=None, limit: float | None = None):
+    def __init__(self, router, shared: ExpertFFN | None = None, shared_gate=None, limit: float | None = None):
         self.router, self.shared, self.shared_gate, self.limit = router, shared, shared_gate, limit
 
     def __call__(self, i: int, h: np.ndarray, pos: np.ndarray, ctx, routed=None) -> np.ndarray:
@@ -134,7 +133,7 @@ class MoEBlock:
                 ctx.check_cancel()     # a prefill batch of experts can take a while
             out = kernels.rank_combine(y, slots, weights)   # rank 0 + rank 1 + ..., in that order
         if self.shared is not None:
-            y = self.shared(i, h, pos, ctx)
+            y = expert_ffn(h, self.shared, self.limit)
             if self.shared_gate is not None:     # sigmoid(gate x) per position
                 with np.errstate(over="ignore"):
                     y = (np.float32(1.0) / (np.float32(1.0) + np.exp(-kernels.matmul(h, self.shared_gate)))) * y
