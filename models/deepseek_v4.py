@@ -151,7 +151,21 @@ class CompressedState:
     def __init__(self, width: int, dim: int):
         self.kv, self.gate = np.zeros((0, width), np.float32), np.zeros((0, width), np.float32)
         self.prior = None               # (kv, gate) [ratio, dim]: the last block's first half (CSA)
-        self.entries, self.count = np.zeros((0, dim), np.float32), 0
+        self._rows, self.count = np.zeros((0, dim), np.float32), 0
+
+    @property
+    def entries(self) -> np.ndarray:
+        return self._rows[: self.count]
+
+    def add(self, rows: np.ndarray) -> None:
+        """Append entries, the storage doubling when full (no copy of all of them per block)."""
+        n = self.count + len(rows)
+        if n > len(self._rows):
+            grown = np.zeros((max(n, 2 * len(self._rows)), self._rows.shape[1]), np.float32)
+            grown[: self.count] = self.entries
+            self._rows = grown
+        self._rows[self.count: n] = rows
+        self.count = n
 
 
 # --- compressors and the indexer --------------------------------------------------------------------
@@ -211,7 +225,7 @@ class CompressorBlock:
         entries = kernels.rms_norm((kv * w).sum(axis=1, dtype=np.float32), self.norm, self.eps)
         cos, sin = pair_tables(*s.rope.cos_sin(st.count * m + m * np.arange(n)))
         entries = rope_pairs_tail(entries[:, None, :], cos, sin)[:, 0]
-        st.entries, st.count = np.concatenate([st.entries, entries]), st.count + n
+        st.add(entries)
         return st.entries
 
 
@@ -291,7 +305,9 @@ class CompressedKeysBlock:
         if self.indexer is None:
             return entries, visible(step.pos, len(entries), self.ratio)
         cos, sin = pair_tables(*step.rope("compress"))
-        return entries, self.indexer.select(h, q_res, step.pos, step.cache[i]["indexer"], cos, sin)
+        chosen = self.indexer.select(h, q_res, step.pos, step.cache[i]["indexer"], cos, sin)
+        cols = np.flatnonzero(chosen.any(axis=0))    # only what some query attends to (decode: <= topk)
+        return entries[cols], chosen[:, cols]
 
 
 # --- routing ----------------------------------------------------------------------------------------

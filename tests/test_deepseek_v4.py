@@ -132,8 +132,8 @@ def randomize(m, seed):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def reference(cfg, seed, path):
-    """transformers' prefill and decode logits of a random model, saved at path."""
+def reference(cfg, seed, path, decode=True):
+    """transformers' prefill and (decode) decode logits of a random model, saved at path."""
     torch.manual_seed(seed)
     m = transformers.DeepseekV4ForCausalLM(cfg).eval()
     randomize(m, seed)
@@ -153,7 +153,7 @@ def reference(cfg, seed, path):
             full = m(ids).logits[0].numpy()
             cache = transformers.DynamicCache(config=cfg)
             steps = np.stack([m(ids[:, t: t + 1], cache=cache, use_cache=True).logits[0, 0].numpy()
-                              for t in range(T)])
+                              for t in range(T)]) if decode else None
     finally:
         experts._apply_gate = gate
         torch.set_num_threads(threads)
@@ -263,3 +263,14 @@ def test_cache_kinds_of_the_flash_geometry():
     assert ring.fixed_bytes() == 127 * (512 * 4 + 8) and ring.bytes_per_position() == 0
     assert (csa.bytes_per_position(), index.bytes_per_position(), hca.bytes_per_position()) == (512, 128, 16)
     assert "compressed entries (512 per 4 positions) + indexer keys (128 per 4 positions)" in describe(kinds)
+
+
+def test_tied_head_and_sigmoid_scores(tmp_path):
+    """tie_word_embeddings (the head is the embedding; no head.weight saved) and
+    scoring_func sigmoid, prefill only."""
+    cfg = tiny_config(num_hidden_layers=2, layer_types=["compressed_sparse_attention", "sliding_attention"],
+                      mlp_layer_types=["moe", "hash_moe"], tie_word_embeddings=True, scoring_func="sigmoid")
+    ids, full, _ = reference(cfg, 3, tmp_path, decode=False)
+    model = ours(tmp_path)
+    assert "head.weight" not in model.store.c
+    assert np.abs(forward(model, ids, 0, model.new_cache()) - full).max() <= 1e-4
