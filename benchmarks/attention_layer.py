@@ -1,5 +1,5 @@
 """One decode position of one attention layer, the two ways the engine can run it: the
-step-by-step path (input norm, ``layer.attn`` -- its products, norms, RoPE, KV append, attention,
+step-by-step path (input norm, ``layer.mixer`` -- its products, norms, RoPE, KV append, attention,
 o -- and the residual add: what ``engine.fused_attention = False`` runs, and what a layer without
 a compiled block always runs) and the compiled block (``layer.attention_block``, one call), timed
 alternately in one process over a synthetic cache (``decode.fill_cache``). Prints ms per call
@@ -32,18 +32,15 @@ def time_layer(engine, i: int, n: int, repeats: int) -> dict:
     fill_cache(engine, cache, n, "synthetic", 7, s.vocab_size)
     cache.ensure(i, n + 1)
     x = np.random.default_rng(1).standard_normal((1, s.hidden_size), dtype=np.float32)
-    pos = np.array([n])
-    cos, sin = engine.rope.cos_sin(pos)
-    lo = kernels.window_start(n, L.attn.window)
+    pass_ = engine.step(np.array([1]), cache)       # each call writes position n again
 
-    def step():      # each call writes position n again (the length is not advanced)
-        return x + L.attn(i, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos, engine)
+    def step():
+        return x + L.mixer(i, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), pass_)
 
     def block():
-        out = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], n, lo, L.attn.scale)
-        return out[0] if L.block_routes else out
+        return L.compiled(i, x, pass_)[0]
 
-    ways = {"step": step} if L.attention_block is None else {"step": step, "block": block}
+    ways = {"step": step} if L.compiled is None else {"step": step, "block": block}
     outs = {name: f() for name, f in ways.items()}
     times = {name: [] for name in ways}
     for r in range(repeats):
@@ -79,8 +76,8 @@ def main(argv=None) -> int:
     if not 0 <= a.layer < len(engine.layers):
         print(f"error: --layer must be in 0..{len(engine.layers) - 1}", file=sys.stderr)
         return 2
-    print(f"layer {a.layer}: {type(engine.layers[a.layer].attn).__name__}, compiled block: "
-          f"{engine.layers[a.layer].attention_block is not None}")
+    print(f"layer {a.layer}: {type(engine.layers[a.layer].mixer).__name__}, compiled block: "
+          f"{engine.layers[a.layer].compiled is not None}")
     for t in threads:
         kernels.set_threads(t)
         for n in contexts:

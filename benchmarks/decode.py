@@ -176,7 +176,7 @@ def linear_step_ms(engine, repeats: int = 20) -> dict | None:
     from core import kernels
     from core.blocks.linear_attention import GatedDeltaNetMixer
 
-    mixer = next((L.attn for L in engine.layers if isinstance(L.attn, GatedDeltaNetMixer)), None)
+    mixer = next((L.mixer for L in engine.layers if isinstance(L.mixer, GatedDeltaNetMixer)), None)
     if mixer is None:
         return None
     s, rng = mixer.spec, np.random.default_rng(0)

@@ -36,6 +36,7 @@ from core.blocks.mla import MLA, MLAAttention, rope_interleaved  # noqa: E402
 from core.container import Weight  # noqa: E402
 from core.engine import KVCache  # noqa: E402
 from core.rope import Rope  # noqa: E402
+from core.step import Step  # noqa: E402
 
 GEOMETRY = {
     # hidden, heads, q_lora, kv_lora, nope, rope, v
@@ -66,7 +67,7 @@ def _layer(spec: MLA, rng) -> MLAAttention:
             c[need.name] = Weight("dense", need.shape, (1 + 0.1 * rng.standard_normal(need.shape)).astype(np.float32))
         else:
             c[need.name] = _int4(rng, *need.shape)
-    return MLAAttention(spec, c, "a.")
+    return MLAAttention(spec, c, "a.", 1e-5)
 
 
 class Float32Absorbed:
@@ -119,8 +120,6 @@ def run(name: str, contexts, rounds: int, threads: int, bw: float) -> list[str]:
              f"{LAYERS[name] * old.nbytes() / 1e9:.2f} GB -> {LAYERS[name] * kv_b / 1e9:.2f} GB)"]
     h = rng.standard_normal((1, hidden)).astype(np.float32)
     D = rank + rope
-    step_ctx = SimpleNamespace(fused_attention=False, pass_state={})
-    fast_ctx = SimpleNamespace(fused_attention=True, pass_state={})
     kernels.set_threads(threads)
     for S in contexts:
         arch = SimpleNamespace(cache_kinds=[spec.cache_kind()], max_position_embeddings=1 << 20)
@@ -130,10 +129,12 @@ def run(name: str, contexts, rounds: int, threads: int, bw: float) -> list[str]:
         cache.length = S - 1
         cache.ensure(0, S)
         pos = np.array([S - 1])
-        cos, sin = Rope({"rope_theta": 10000.0}, rope).cos_sin(pos)
+        table = Rope({"rope_theta": 10000.0}, rope)
+        cos, sin = table.cos_sin(pos)
+        step = Step([0], pos, cache, {"main": table}, fused=False)
         ways = {"float32": lambda: old(h, cos, sin, cache, pos),
-                "step": lambda: attn(0, h, cos, sin, cache, pos, step_ctx),
-                "block": lambda: attn(0, h, cos, sin, cache, pos, fast_ctx)}
+                "step": lambda: attn(0, h, step),
+                "block": lambda: attn.fast(h, cos, sin, cache.arrays[0]["latent"], S - 1, attn.scale)}
         times = {k: [] for k in ways}
         for f in ways.values():
             f()

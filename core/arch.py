@@ -25,20 +25,17 @@ class ArchSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    qk_norm: str                         # 'none' | 'per_head' (over head_dim) | 'full' (over all heads)
     mlp_kinds: list[str]                 # per layer: 'moe' | 'dense'
     num_experts: int
     top_k: int
     norm_topk_prob: bool
-    clip_qkv: float | None = None
-    sliding_windows: list[int | None] = field(default_factory=list)   # per layer; None = full causal
     cache_kinds: list = field(default_factory=list)     # per layer: what it keeps (core.cache_kinds)
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     max_position_embeddings: int = 0
-    # per layer, the blocks it is composed of (core.blocks.layer.Layer): the family's declaration,
-    # from which the engine loads it and the layout check, synthetic checkpoints and estimates
-    # take its tensors. Empty: GQA + SwiGLU / softmax-routed MoE from the fields above.
+    # per layer, the blocks it is composed of (a residual kind of core.blocks.residual): the
+    # family's declaration, from which the engine loads it and the layout check, synthetic
+    # checkpoints and estimates take its tensors
     layers: list = field(default_factory=list)
     attention_bias: bool = False        # the config's: q/k/v/o biases (optional in checks)
     rope_dim: int = 0                   # dims the RoPE table covers; 0 = head_dim
@@ -60,27 +57,17 @@ class ArchSpec:
     # gate_proj / up_proj / down_proj. The converter records them in the manifest
     # (``expert_parts``), and the container hands the store each expert keyed by role
     expert_parts: tuple[str, str, str] | None = None
+    # rotary tables beyond "main" (built by the engine from the fields above), by name: each has
+    # cos_sin(positions) (core.rope.Rope); blocks ask a pass for one by name (core.step.Step.rope)
+    rope_tables: dict = field(default_factory=dict)
+    # the ends (core.blocks.embed's Embedding / LMHead, or a family's own); None: from the fields above
+    embedding: object = None
+    head: object = None
 
     def __post_init__(self):
-        if not self.cache_kinds:            # full attention everywhere unless the family says
+        if not self.cache_kinds:            # the layers' (a spec built by hand: full attention)
             self.cache_kinds = ([l.cache_kind() for l in self.layers] if self.layers else
                                 [KV(self.num_kv_heads, self.head_dim)] * self.num_layers)
-
-    def layer_plan(self) -> list:
-        """The declared layers (core.blocks.layer.Layer), one per decoder layer."""
-        if self.layers:
-            return self.layers
-        from .blocks.attention import GQA          # numpy-free callers never get here
-        from .blocks.layer import Layer
-        from .blocks.mlp import MoE, SwiGLU
-        from .blocks.routers import SoftmaxRouter
-        H = self.hidden_size
-        windows = self.sliding_windows or [None] * self.num_layers
-        return [Layer(GQA(H, self.num_heads, self.num_kv_heads, self.head_dim, self.qk_norm, self.clip_qkv,
-                          windows[i], bias=self.attention_bias),
-                      MoE(H, self.num_experts, SoftmaxRouter(self.top_k, self.norm_topk_prob), self.expert_intermediate)
-                      if self.mlp_kinds[i] == "moe" else SwiGLU(H, self.dense_intermediate))
-                for i in range(self.num_layers)]
 
 
 class ConfigReader:
@@ -195,6 +182,6 @@ def common_spec(r: ConfigReader, generation_config: dict | None, **kw) -> ArchSp
                 attention_bias=r.flag("attention_bias"),
                 eos_token_ids=eos_ids(r.config, generation_config),
                 max_position_embeddings=r.positive_int("max_position_embeddings", optional=True) or 0,
-                mlp_kinds=["moe"] * layers, sliding_windows=[None] * layers, qk_norm="none")
+                mlp_kinds=["moe"] * layers)
     spec.update(kw)
     return ArchSpec(**spec)

@@ -24,12 +24,11 @@ from .memory import lazy_array, peak_rss_bytes
 from .planner import kv_reserved_positions
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
+from .step import Step
 from .blocks.mlp import expert_ffn  # noqa: F401  (re-exported: tools and tests use it)
-from .blocks.common import norm_weight
+from .blocks.embed import Embedding, LMHead
 from .store import ExpertStore
 
-
-rms_norm = kernels.rms_norm
 
 
 class KVCache:
@@ -162,21 +161,14 @@ class Engine:
         self.governor = kernels.thread_governor() if threads is None else None
         c = container
         p = spec.prefix      # the language model's tensors in the checkpoint (core.arch.ArchSpec)
-        # untied: one row per token is read from the file when needed (RAM for the experts;
-        # core.planner.dense_ram_bytes leaves it out); tied, it is the head too: in RAM
-        self.embed = (c.load if spec.tie_word_embeddings else c.load_rows)(p + "embed_tokens.weight")
-        if self.embed.shape[0] != spec.vocab_size:
-            raise ColiError(f"embedding has {self.embed.shape[0]} rows but vocab_size is {spec.vocab_size}")
-        if spec.tie_word_embeddings:
-            self.head = self.embed
-        elif "lm_head.weight" not in c:      # never the embedding in silence: the logits would be wrong
-            raise ColiError(f"{c.path}: lm_head.weight is missing (tie_word_embeddings is false)")
-        else:
-            self.head = c.load("lm_head.weight")
-        self.final_norm = norm_weight(c, p + "norm.weight", spec.norm_offset)
-        # each layer as the family composed it (ArchSpec.layer_plan: core.blocks)
+        # the ends as the family declared them (core.blocks.embed), else from the spec's fields
+        self.embed = (spec.embedding or Embedding(spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings)).build(c, p)
+        self.head = (spec.head or LMHead(spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings, spec.norm_offset)
+                     ).build(c, p, spec.rms_norm_eps, self.embed)
+        # each layer as the family composed it (ArchSpec.layers: core.blocks.residual): the
+        # engine calls L(i, x, step) and knows nothing more of what a layer does
         self.layers = [decl.build(c, f"{p}layers.{i}.", spec.rms_norm_eps)
-                       for i, decl in enumerate(spec.layer_plan())]
+                       for i, decl in enumerate(spec.layers)]
         if store is None:
             from .tiered_store import TieredStore
             store = TieredStore(c, cap=spec.num_experts)      # everything fits: no eviction
@@ -184,12 +176,17 @@ class Engine:
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
-        self.rope = Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
+        # the named rotary tables a pass offers its blocks (Step.rope): "main" from the spec's
+        # fields, and any more the family declares
+        self.rope_tables = {"main": Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim,
+                                         partial=spec.rope_partial), **spec.rope_tables}
         self._cancel = threading.Event()
         self._cancel_checks = False      # True while generate() runs: forward() may stop early
         moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]
-        # lookahead: after layer i's attention, the next MoE layer's norm + router predict its experts
+        # lookahead: after layer i's mixer, the next MoE layer's router predicts its experts
         self._next_moe = {i: next((j for j in moe if j > i), None) for i in range(spec.num_layers)}
+        # layers whose experts follow from the token ids alone (hash routing): read before layer 0
+        self._known = [(i, L) for i, L in enumerate(self.layers) if hasattr(L, "known_experts")]
         self.trace = None            # a core.trace.TraceWriter while recording
         self.usage: dict[tuple[int, int], int] = {}        # routing counts since the last save
         self.usage_history: dict[tuple[int, int], float] = {}
@@ -254,17 +251,28 @@ class Engine:
         """True while generate() runs: a block may stop a long pass early (check_cancel)."""
         return self._cancel_checks
 
-    def _predict(self, i: int, x: np.ndarray) -> None:
-        """Lookahead prefetch: apply the next MoE layer's norm and router to the hidden state
-        after layer i's attention and ask the store to start reading those experts."""
+    def _prefetching(self) -> bool:
+        return getattr(self.store, "prefetch_enabled", False) and not (
+            self._all_in_ram and self.store.cap >= self.spec.num_experts)    # not if the pool shrank since
+
+    def lookahead(self, i: int, x: np.ndarray, step) -> None:
+        """Lookahead prefetch (Step.mixed): the next MoE layer's router predicts from what it would
+        see of the residual x after layer i's mixer (its ``router_input``), and the store starts
+        reading those experts."""
         j = self._next_moe[i]
-        if j is None or not getattr(self.store, "prefetch_enabled", False) or (
-                self._all_in_ram and self.store.cap >= self.spec.num_experts):   # not if the pool shrank since
+        if j is None or not self._prefetching():
             return
         L = self.layers[j]
-        ranked = L.router.predict(rms_norm(x, L.post_norm, self.spec.rms_norm_eps))
+        ranked = L.router.predict(L.router_input(x, step))
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
+
+    def _known_experts(self, step) -> None:
+        """Before layer 0: the experts of layers that pick them from the token ids alone (hash
+        routing) are known with certainty; the store starts reading them."""
+        if self._known and self._prefetching():
+            for i, L in self._known:
+                self.store.prefetch(i, L.known_experts(step))
 
     def record_routing(self, i: int, top: np.ndarray, pos: np.ndarray) -> tuple[list[int], list[int]]:
         """A MoE block's routing of its positions (top [T, k]): counted for the routing history,
@@ -301,48 +309,32 @@ class Engine:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
             raise ColiError(f"token id out of range 0..{self.spec.vocab_size - 1}")
-        s = self.spec
         plan = getattr(self, "plan", None)
         if plan is not None and cache.length + len(ids) > plan.kv_positions:
             from .planner import grow_kv_room     # the budget pays for the longer context
             grow_kv_room(plan, cache.length + len(ids), self.store, getattr(self, "_prefixes", None))
         if self.governor is not None:
             self.governor.update()
-        self.pass_state = {}         # what a block leaves for later layers of this pass (DSA's choice)
-        x = kernels.rows(self.embed, ids)
-        pos = np.arange(cache.length, cache.length + len(ids))
-        cos, sin = self.rope.cos_sin(pos)
+        step = self.step(ids, cache)
+        self._known_experts(step)
+        x = self.embed(ids, step)
         c = self.counters
-        # one decode position: each layer's attention (and router) is one compiled call
-        block = len(ids) == 1 and self.fused_attention
         for i, L in enumerate(self.layers):
             t0 = time.perf_counter()
-            routed = None
-            if block and L.attention_block is not None:
-                cache.ensure(i, cache.length + 1)
-                out = L.attention_block(x, cos, sin, cache.k[i], cache.v[i], cache.length,
-                                        kernels.window_start(cache.length, L.attn.window), L.attn.scale)
-                if L.block_routes:       # the block ran the router too
-                    x, h, *routed = out
-                else:
-                    x = out
-            else:
-                x = x + L.attn(i, rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, cache, pos, self)
-            t1 = time.perf_counter()
-            self._predict(i, x)
-            if routed is None:
-                h = rms_norm(x, L.post_norm, s.rms_norm_eps)
-            x = x + L.ffn(i, h, pos, self, routed)
+            x = L(i, x, step)
             t2 = time.perf_counter()
-            c["attention_s"] += t1 - t0
-            c["experts_s"] += t2 - t1
+            c["attention_s"] += step.mixed_at - t0
+            c["experts_s"] += t2 - step.mixed_at
             self.check_cancel()
         cache.length += len(ids)
         t0 = time.perf_counter()
-        x = rms_norm(x if all_logits else x[-1:], self.final_norm, s.rms_norm_eps)
-        out = kernels.matmul(x, self.head)
+        out = self.head(x if all_logits else x[-1:], step)
         c["lm_head_s"] += time.perf_counter() - t0
         return out
+
+    def step(self, ids: np.ndarray, cache: KVCache) -> Step:
+        """The context of one pass of ids (int64) continuing cache (core.step)."""
+        return Step(ids, np.arange(cache.length, cache.length + len(ids)), cache, self.rope_tables, self)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, float32 [T, vocab], from one batched pass."""

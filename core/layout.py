@@ -25,7 +25,7 @@ def expected_tensors(spec: ArchSpec) -> list:
     out = [Need(p + "embed_tokens.weight", (V, H)), Need(p + "norm.weight", (H,))]
     if not spec.tie_word_embeddings:
         out.append(Need("lm_head.weight", (V, H)))
-    for i, layer in enumerate(spec.layer_plan()):
+    for i, layer in enumerate(spec.layers):
         out += layer.tensors(f"{p}layers.{i}.", H)
     return out
 

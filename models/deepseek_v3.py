@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from core.arch import ArchSpec, ConfigReader, common_spec
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.mla import MLA
 from core.blocks.mlp import SwiGLU
 from core.errors import ColiError
@@ -83,7 +83,7 @@ class DeepseekV3:
         spec.mlp_kinds = dense_first(r, spec)
         attention = MLA(**sizes)
         moe = sigmoid_moe(r, spec) if spec.num_experts else None
-        spec.layers = [Layer(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
+        spec.layers = [PreNorm(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
                        for kind in spec.mlp_kinds]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec
 from core.blocks.attention import GQA
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import SigmoidGroupRouter
 from core.rope import rope_parameters
@@ -54,17 +54,18 @@ class Glm4Moe:
     @staticmethod
     def spec(config: dict, generation_config: dict | None = None) -> ArchSpec:
         r = ConfigReader("glm4_moe", config, DEFAULTS, ALIASES)
-        spec = common_spec(r, generation_config, qk_norm="per_head" if r.flag("use_qk_norm") else "none")
+        spec = common_spec(r, generation_config)
         factor = rope_parameters(config).get("partial_rotary_factor", 0.5)   # the config class's default
         rope_dim = int(spec.head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor <= 1 else 0
         r.refuse(rope_dim < 2 or rope_dim % 2, f"partial_rotary_factor {factor!r} with head_dim {spec.head_dim}")
         spec.rope_dim, spec.rope_partial = rope_dim, True
         spec.mlp_kinds = dense_first(r, spec)
         spec.dense_intermediate = r.positive_int("intermediate_size")
-        attention = GQA(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.qk_norm,
+        attention = GQA(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                        "per_head" if r.flag("use_qk_norm") else "none",
                         rope_dim=rope_dim, o_bias=False, bias=spec.attention_bias)
         moe = sigmoid_moe(r, spec) if spec.num_experts else None
-        spec.layers = [Layer(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
+        spec.layers = [PreNorm(attention, moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
                        for kind in spec.mlp_kinds]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec

@@ -8,7 +8,7 @@ by the converter."""
 from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.mla import MLA, Indexer
 from core.blocks.mlp import SwiGLU
 from core.errors import ColiError
@@ -82,7 +82,7 @@ class GlmMoeDsa:
         spec.mlp_kinds = mlp_layer_types(r, spec.num_layers)
         r.refuse("moe" in spec.mlp_kinds and spec.num_experts == 0, "sparse layers with no experts")
         moe = sigmoid_moe(r, spec) if spec.num_experts else None
-        spec.layers = [Layer(MLA(**sizes, indexer=ix if t == "full" else None, shared_index=t == "shared"),
+        spec.layers = [PreNorm(MLA(**sizes, indexer=ix if t == "full" else None, shared_index=t == "shared"),
                              moe if kind == "moe" else SwiGLU(spec.hidden_size, spec.dense_intermediate))
                        for t, kind in zip(indexer_types(r, spec.num_layers), spec.mlp_kinds)]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]

@@ -25,7 +25,7 @@ q-LoRA; scale (qk_nope + qk_rope)^-0.5, no yarn).
 from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.linear_attention import KDA
 from core.blocks.mla import MLA
 from core.blocks.mlp import SwiGLU
@@ -129,7 +129,7 @@ class KimiLinear:
             from dataclasses import replace
             moe = replace(base, expert_parts=EXPERT_PARTS)
         dense = SwiGLU(H, spec.dense_intermediate)
-        spec.layers = [Layer(mla if t == "full_attention" else kda, moe if k == "moe" else dense, ffn_prefix=FFN_PREFIX)
+        spec.layers = [PreNorm(mla if t == "full_attention" else kda, moe if k == "moe" else dense, ffn_prefix=FFN_PREFIX)
                        for t, k in zip(types, spec.mlp_kinds)]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         spec.expert_parts = EXPERT_PARTS

@@ -3,6 +3,10 @@ optional clip_qkv applied after that norm; router softmax top-k, no renormalisat
 from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec
+from core.blocks.attention import GQA
+from core.blocks.mlp import MoE
+from core.blocks.residual import PreNorm
+from core.blocks.routers import SoftmaxRouter
 
 # OlmoeConfig's defaults (transformers 5), used for fields absent from config.json
 DEFAULTS = dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
@@ -19,12 +23,17 @@ class Olmoe:
     @staticmethod
     def spec(config: dict, generation_config: dict | None = None) -> ArchSpec:
         r = ConfigReader("olmoe", config, DEFAULTS, ALIASES)
-        spec = common_spec(r, generation_config, qk_norm="full")
+        spec = common_spec(r, generation_config)
         # q_norm is sized hidden_size and k_norm (hidden/heads)*kv_heads in transformers, which only
         # fits the projections when head_dim == hidden/heads
         r.refuse(spec.head_dim * spec.num_heads != spec.hidden_size,
                  "head_dim different from hidden_size / num_attention_heads")
         r.refuse(spec.num_experts == 0, "num_experts = 0")
-        spec.clip_qkv = r.number("clip_qkv", optional=True)
+        clip = r.number("clip_qkv", optional=True)
         spec.expert_intermediate = r.positive_int("intermediate_size")
+        H = spec.hidden_size
+        layer = PreNorm(GQA(H, spec.num_heads, spec.num_kv_heads, spec.head_dim, "full", clip, bias=spec.attention_bias),
+                        MoE(H, spec.num_experts, SoftmaxRouter(spec.top_k, spec.norm_topk_prob), spec.expert_intermediate))
+        spec.layers = [layer] * spec.num_layers
+        spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec

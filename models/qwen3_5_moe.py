@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec, eos_ids
 from core.blocks.attention import GQA
-from core.blocks.layer import Layer
+from core.blocks.residual import PreNorm
 from core.blocks.linear_attention import GatedDeltaNet
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import SoftmaxRouter
@@ -71,7 +71,7 @@ class Qwen3_5Moe:
         if not isinstance(text, dict):
             raise ColiError(f"qwen3_5_moe config: text_config must be a JSON object, got {text!r}")
         r = ConfigReader("qwen3_5_moe", text, DEFAULTS, ALIASES)
-        spec = common_spec(r, generation_config, qk_norm="per_head")
+        spec = common_spec(r, generation_config)
         if composite:        # the composite model's head is tied (or not) by its own field
             top = config.get("tie_word_embeddings", False)
             if not isinstance(top, bool):
@@ -98,7 +98,7 @@ class Qwen3_5Moe:
         moe = MoE(H, spec.num_experts, SoftmaxRouter(spec.top_k, True), spec.expert_intermediate, shared,
                   shared_prefix="shared_expert.", shared_gate=True)
         spec.mlp_kinds = ["moe"] * spec.num_layers
-        spec.layers = [Layer(gdn if t == "linear_attention" else attention, moe, norm_offset=1.0) for t in types]
+        spec.layers = [PreNorm(gdn if t == "linear_attention" else attention, moe, norm_offset=1.0) for t in types]
         spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         spec.norm_offset = 1.0
         spec.prefix = COMPOSITE_PREFIX if composite else TEXT_PREFIX

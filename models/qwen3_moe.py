@@ -4,6 +4,10 @@ or ``decoder_sparse_step`` say so; optional sliding-window attention on every la
 from __future__ import annotations
 
 from core.arch import ArchSpec, ConfigReader, common_spec
+from core.blocks.attention import GQA
+from core.blocks.mlp import MoE, SwiGLU
+from core.blocks.residual import PreNorm
+from core.blocks.routers import SoftmaxRouter
 
 # Qwen3MoeConfig's defaults (transformers 5), used for fields absent from config.json
 DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
@@ -21,7 +25,7 @@ class Qwen3Moe:
     @staticmethod
     def spec(config: dict, generation_config: dict | None = None) -> ArchSpec:
         r = ConfigReader("qwen3_moe", config, DEFAULTS, ALIASES)
-        spec = common_spec(r, generation_config, qk_norm="per_head")
+        spec = common_spec(r, generation_config)
         step = r.int("decoder_sparse_step")
         r.refuse(step == 0 and spec.num_experts > 0, "decoder_sparse_step = 0")
         dense_only = set(r.int_list("mlp_only_layers"))
@@ -29,6 +33,12 @@ class Qwen3Moe:
                           else "dense" for i in range(spec.num_layers)]
         spec.expert_intermediate = r.positive_int("moe_intermediate_size")
         spec.dense_intermediate = r.positive_int("intermediate_size")
-        if r.flag("use_sliding_window") and r.get("sliding_window"):
-            spec.sliding_windows = [r.positive_int("sliding_window")] * spec.num_layers
+        window = r.positive_int("sliding_window") if r.flag("use_sliding_window") and r.get("sliding_window") else None
+        H = spec.hidden_size
+        attention = GQA(H, spec.num_heads, spec.num_kv_heads, spec.head_dim, "per_head", None, window,
+                        bias=spec.attention_bias)
+        moe = MoE(H, spec.num_experts, SoftmaxRouter(spec.top_k, spec.norm_topk_prob), spec.expert_intermediate)
+        dense = SwiGLU(H, spec.dense_intermediate)
+        spec.layers = [PreNorm(attention, moe if kind == "moe" else dense) for kind in spec.mlp_kinds]
+        spec.cache_kinds = [layer.cache_kind() for layer in spec.layers]
         return spec

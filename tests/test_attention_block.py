@@ -19,6 +19,7 @@ from core.container import Weight
 from core.blocks.attention import GQA, GQAAttention
 from core.engine import KVCache
 from core.rope import Rope
+from core.step import Step
 
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 
@@ -44,10 +45,11 @@ def _layer(rng, hidden, H, KV, D, gs, qk_norm, bias, window):
 
 
 def _spec(hidden, H, KV, D, qk_norm, clip):
-    return ArchSpec(vocab_size=8, hidden_size=hidden, num_layers=1, num_heads=H, num_kv_heads=KV,
-                    head_dim=D, rms_norm_eps=1e-5, qk_norm=qk_norm, mlp_kinds=["moe"],
-                    num_experts=6, top_k=2, norm_topk_prob=True, clip_qkv=clip,
-                    max_position_embeddings=4096)
+    s = ArchSpec(vocab_size=8, hidden_size=hidden, num_layers=1, num_heads=H, num_kv_heads=KV,
+                 head_dim=D, rms_norm_eps=1e-5, mlp_kinds=["moe"], num_experts=6, top_k=2,
+                 norm_topk_prob=True, max_position_embeddings=4096)
+    s.qk_norm, s.clip_qkv = qk_norm, clip       # the attention's options (GQA's), kept with the sizes
+    return s
 
 
 def _block(L, s, router=False):
@@ -66,6 +68,11 @@ def _attention(L, s) -> GQAAttention:
     for n in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm"):
         setattr(att, n, getattr(L, n))
     return att
+
+
+def _step(cache, n, cos, sin):
+    """One position n over cache, blocks on their own (no engine), with these rotary rows."""
+    return Step([0], [n], cache, {"main": SimpleNamespace(cos_sin=lambda pos: (cos, sin))}, fused=False)
 
 
 def _filled_cache(rng, s, n, dtype=np.float32):
@@ -100,7 +107,6 @@ def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
     before = _filled_cache(rng, s, n, kv)
     cos, sin = Rope({"rope_theta": 10000.0}, D).cos_sin(np.array([n]))
     scale = np.float32(D ** -0.5)
-    eng = SimpleNamespace(cancel_checks=False)
     attn = _attention(L, s)
     block, routed = _block(L, s), _block(L, s, router=True)
     assert block is not None and routed is not None
@@ -112,7 +118,7 @@ def test_block_has_the_bits_of_the_step_by_step_path(case, kv):
         ref.arrays = [{"k": before.k[0].copy(), "v": before.v[0].copy()}]
         ref._views()
         ref.length = n
-        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, ref, np.array([n]), eng)
+        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), _step(ref, n, cos, sin))
         for threads in (1, 2, 3):
             qm.set_num_threads(threads)
             k, v = before.k[0].copy(), before.v[0].copy()
@@ -167,7 +173,7 @@ def test_engine_decodes_the_same_with_and_without_the_block(containers):
     for name, (kv, i8) in zip(oracle_names(), kinds):
         engine = open_model(containers(name, 4), threads=2, kv_cache=kv)
         kernels.set_int8_activations(i8)
-        if engine.spec.layers and not any(L.attention_block is not None for L in engine.layers):
+        if not any(L.compiled is not None for L in engine.layers):
             continue     # a family whose attention has no compiled step yet (partial RoPE, MLA)
         runs = []
         for fused in (True, False):
@@ -224,8 +230,7 @@ def test_partial_rope_block_has_the_bits_of_the_step_by_step_path(qk_norm, rope_
         ref.arrays = [{"k": before.k[0].copy(), "v": before.v[0].copy()}]
         ref._views()
         ref.length = n
-        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, ref, np.array([n]),
-                        SimpleNamespace(cancel_checks=False))
+        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), _step(ref, n, cos, sin))
         for threads in (1, 2, 3):
             qm.set_num_threads(threads)
             k, v = before.k[0].copy(), before.v[0].copy()
@@ -269,7 +274,6 @@ def test_gated_block_has_the_bits_of_the_step_by_step_path(case, kv):
     block = attn.compiled_block(L.input_norm)
     routed = attn.compiled_block(L.input_norm, L.router, L.post_norm, s.top_k, s.norm_topk_prob)
     assert block is not None and routed is not None
-    eng = SimpleNamespace(cancel_checks=False)
     for simd, i8 in [(v, False) for v in qm.simd_variants()] + [(qm.simd_variants()[-1], True)]:
         qm.set_simd(simd)
         qm.set_int8_activations(i8)
@@ -277,7 +281,7 @@ def test_gated_block_has_the_bits_of_the_step_by_step_path(case, kv):
         ref.arrays = [{"k": before.k[0].copy(), "v": before.v[0].copy()}]
         ref._views()
         ref.length = n
-        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), cos, sin, ref, np.array([n]), eng)
+        want = x + attn(0, kernels.rms_norm(x, L.input_norm, s.rms_norm_eps), _step(ref, n, cos, sin))
         for threads in (1, 2, 3):
             qm.set_num_threads(threads)
             k, v = before.k[0].copy(), before.v[0].copy()

@@ -63,7 +63,7 @@ def test_the_engine_refuses_a_kind_it_does_not_run():
     from core.arch import ArchSpec
     from core.engine import KVCache
     spec = ArchSpec(vocab_size=8, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-                    rms_norm_eps=1e-6, qk_norm="none", mlp_kinds=["moe"] * 2, num_experts=2, top_k=1,
+                    rms_norm_eps=1e-6, mlp_kinds=["moe"] * 2, num_experts=2, top_k=1,
                     norm_topk_prob=False, cache_kinds=[KV(1, 4), FixedState(8)])
     with pytest.raises(ColiError, match="layer 1 keeps a state cache"):
         KVCache(spec)

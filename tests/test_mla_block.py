@@ -18,6 +18,7 @@ from core.blocks.mla import MLA, Indexer, MLAAttention
 from core.container import Weight
 from core.engine import KVCache
 from core.rope import Rope
+from core.step import Step
 
 qm = pytest.importorskip("cython_kernels.qmatmul", reason="compiled kernels not built")
 
@@ -120,7 +121,7 @@ def _layer(rng, spec: MLA, gs: int, p: str = "a."):
             c[need.name] = vec(need.shape[0])
         else:
             c[need.name] = _int4(rng, *need.shape, gs)
-    return MLAAttention(spec, c, p)
+    return MLAAttention(spec, c, p, 1e-5)
 
 
 def _cache(spec: MLA, n: int, rng, dtype):
@@ -165,24 +166,23 @@ def test_block_has_the_bits_of_the_step_by_step_composition(case, kv):
     x = rng.standard_normal((1, hidden)).astype(np.float32)
     before = _cache(spec, n, rng, kv)
     pos = np.array([n])
-    cos, sin = Rope({"rope_theta": 10000.0}, rope).cos_sin(pos)
-    step = SimpleNamespace(fused_attention=False, pass_state={})
-    fused = SimpleNamespace(fused_attention=True, pass_state={})
-    h0 = kernels.rms_norm(x, in_norm, 1e-5)
-    assert attn._decode(0, h0, cos, sin, _copy(before), pos, fused) is not None      # the compiled path
-    assert attn._decode(0, h0, cos, sin, _copy(before), pos, step) is None
+    table = {"main": Rope({"rope_theta": 10000.0}, rope)}
+    cos, sin = table["main"].cos_sin(pos)
+    run = attn.compiled(in_norm)         # the residual layer's compiled path: x + attn(norm x)
+    assert run(0, x, Step([0], pos, _copy(before), table, fused=True)) is not None
+    assert run(0, x, Step([0], pos, _copy(before), table, fused=False)) is None
     for simd, i8 in [(s, False) for s in qm.simd_variants()] + [(qm.simd_variants()[-1], True)]:
         qm.set_simd(simd)
         qm.set_int8_activations(i8)
         h = kernels.rms_norm(x, in_norm, 1e-5)
         ref = _copy(before)
-        want = attn(0, h, cos, sin, ref, pos, step)
+        want = attn(0, h, Step([0], pos, ref, table, fused=False))
         for threads in (1, 2, 3):
             qm.set_num_threads(threads)
             msg = f"{simd}, int8 {i8}, {threads} threads"
             got_cache = _copy(before)
-            got = attn(0, h, cos, sin, got_cache, pos, fused)
-            np.testing.assert_array_equal(got, want, err_msg=msg)
+            got, _, _ = run(0, x, Step([0], pos, got_cache, table))
+            np.testing.assert_array_equal(got, x + want, err_msg=msg)
             np.testing.assert_array_equal(got_cache.arrays[0]["latent"][:, : n + 1],
                                           ref.arrays[0]["latent"][:, : n + 1], err_msg=msg)
             whole = _copy(before)
@@ -204,7 +204,8 @@ def test_block_agrees_with_the_expanded_float64_attention():
     h = rng.standard_normal((1, hidden)).astype(np.float32)
     pos = np.array([9])
     cos, sin = Rope({"rope_theta": 10000.0}, rope).cos_sin(pos)
-    got = attn(0, h, cos, sin, cache, pos, SimpleNamespace(fused_attention=True, pass_state={}))
+    cache.ensure(0, 10)
+    got = attn.fast(h, cos, sin, cache.arrays[0]["latent"], 9, attn.scale)      # the compiled block
     # float64 reference over the expanded keys / values
     deq = lambda w: quant.dequantize_int4(w.data, w.scales, w.shape[1], w.group_size).astype(np.float64)
     rms = lambda a, w, eps: w * a / np.sqrt((a * a).mean(-1, keepdims=True) + eps)
@@ -238,17 +239,24 @@ def test_dsa_layers_run_dense_while_every_position_is_chosen(context):
     full_spec = MLA(hidden, heads, ql, rank, nope, rope, v, scale=(nope + rope) ** -0.5, indexer=ix)
     shared_spec = MLA(hidden, heads, ql, rank, nope, rope, v, scale=(nope + rope) ** -0.5, shared_index=True)
     full, shared = _layer(rng, full_spec, gs), _layer(rng, shared_spec, gs)
-    h = rng.standard_normal((1, hidden)).astype(np.float32)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    in_norm = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
     pos = np.array([context])
-    cos, sin = Rope({"rope_theta": 10000.0}, rope).cos_sin(pos)
+    table = {"main": Rope({"rope_theta": 10000.0}, rope)}
     c0, s0 = _cache(full_spec, context, rng, "float32"), _cache(shared_spec, context, rng, "float32")
+
+    def mix(attn, step):
+        """x + attn(norm x) as the residual layer runs it: its compiled path, else the mixer."""
+        out = attn.compiled(in_norm)(0, x, step) if step.fused else None
+        return out[0] if out is not None else x + attn(0, kernels.rms_norm(x, in_norm, 1e-5), step)
     outs = []
     for fused in (False, True):
-        ctx = SimpleNamespace(fused_attention=fused, pass_state={})
         c1, s1 = _copy(c0), _copy(s0)
-        a = full(0, h, cos, sin, c1, pos, ctx)
-        b = shared(0, h, cos, sin, s1, pos, ctx)
-        outs.append((a, b, c1, s1, ctx.pass_state["dsa_allowed"]))
+        one, two = Step([0], pos, c1, table, fused=fused), Step([0], pos, s1, table, fused=fused)
+        a = mix(full, one)
+        two.state = one.state          # the shared layer reads the full layer's choice
+        b = mix(shared, two)
+        outs.append((a, b, c1, s1, one.state["dsa_allowed"]))
     (a0, b0, c_ref, s_ref, sel0), (a1, b1, c_got, s_got, sel1) = outs
     np.testing.assert_array_equal(a1, a0)
     np.testing.assert_array_equal(b1, b0)
@@ -280,7 +288,7 @@ def test_engine_decodes_the_same_with_and_without_the_block(containers):
     for name, kv in zip(names, ["float32", "float16"] * len(names)):
         engine = open_model(containers(name, 4), threads=2, kv_cache=kv)
         # the compiled block is DeepSeek's interleaved RoPE only (deepseekv3-c: rope_interleave false)
-        assert all((L.attn.fast is not None) == (L.attn.spec.interleave and L.attn.spec.rope) for L in engine.layers)
+        assert all((L.mixer.fast is not None) == (L.mixer.spec.interleave and L.mixer.spec.rope) for L in engine.layers)
         runs = []
         for fused in (True, False):
             engine.fused_attention = fused

@@ -239,7 +239,7 @@ def test_an_untied_embedding_stays_on_disk_and_gives_the_same_rows(model):
     finally:
         c.close()
     engine = open_model(model, cap=4, threads=1)
-    assert isinstance(engine.embed.data, RowsOnDisk) and engine.plan.dense_bytes == planner.dense_ram_bytes(
+    assert isinstance(engine.embed.weight.data, RowsOnDisk) and engine.plan.dense_bytes == planner.dense_ram_bytes(
         Container(model), engine.spec)
 
 

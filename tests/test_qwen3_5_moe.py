@@ -7,6 +7,8 @@ cache kinds in the cache, the planner and coli plan; the converter leaving the v
 against transformers: tests/test_oracle.py on the qwen35moe-* fixtures."""
 from __future__ import annotations
 
+import copy
+
 import json
 import shutil
 
@@ -241,10 +243,15 @@ def test_decode_equals_prefill_bit_for_bit_with_one_row_products(name, container
     def per_row(f, x, *rest):
         return np.concatenate([f(x[t: t + 1], *rest) for t in range(x.shape[0])]) if x.shape[0] > 1 else f(x, *rest)
 
-    def moe_per_row(self, i, h, pos, ctx, routed=None):
+    def row(step, t):
+        one = copy.copy(step)
+        one.pos = step.pos[t: t + 1]
+        return one
+
+    def moe_per_row(self, i, h, step, routed=None):
         if h.shape[0] == 1:
-            return moe(self, i, h, pos, ctx, routed)
-        return np.concatenate([moe(self, i, h[t: t + 1], pos[t: t + 1], ctx,
+            return moe(self, i, h, step, routed)
+        return np.concatenate([moe(self, i, h[t: t + 1], row(step, t),
                                    None if routed is None else (routed[0][t: t + 1], routed[1][t: t + 1]))
                                for t in range(h.shape[0])])
 

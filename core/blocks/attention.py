@@ -85,14 +85,38 @@ class GQAAttention:
             s.head_dim, router, post_norm, top_k, norm_topk,
             rope_dim=self.rope_dim if self.rope_dim != s.head_dim else 0, gated=s.gated)
 
+    def compiled(self, input_norm, router=None, post_norm=None):
+        """The residual layer's compiled path (core.blocks.residual): one decode position through
+        compiled_block, which runs a softmax router's tail too; None where it does not apply."""
+        routes = router is not None and getattr(router, "kind", "") == "softmax_topk"
+        block = self.compiled_block(input_norm, router.weight if routes else None, post_norm if routes else None,
+                                    router.top_k if routes else 0, router.norm_topk_prob if routes else False)
+        if block is None:
+            return None
+
+        def run(i, x, step):
+            if not step.decode:
+                return None
+            cache = step.cache
+            cos, sin = step.rope()
+            cache.ensure(i, cache.length + 1)
+            out = block(x, cos, sin, cache.k[i], cache.v[i], cache.length,
+                        kernels.window_start(cache.length, self.window), self.scale)
+            if routes:           # the block ran the router too
+                x, h, *routed = out
+                return x, h, routed
+            return out, None, None
+        return run
+
     def _rope(self, x, cos, sin):
         if self.rope_dim == x.shape[-1]:
             return kernels.rope(x, cos, sin)
         r = self.rope_dim
         return np.concatenate([kernels.rope(np.ascontiguousarray(x[..., :r]), cos, sin), x[..., r:]], axis=-1)
 
-    def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
+    def __call__(self, i: int, h, step):
         s, eps, T = self.spec, self.eps, h.shape[0]
+        cos, sin, cache, pos = *step.rope(), step.cache, step.pos
         q, k, v = kernels.matmul_many(h, [self.q, self.k, self.v])       # one pass over x for all three
         q, k, v = biased(q, self.q_bias), biased(k, self.k_bias), biased(v, self.v_bias)
         gate = None
@@ -113,7 +137,7 @@ class GQAAttention:
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         keys, values = cache.append(i, k, v)
         B = kernels.ATTENTION_QUERY_BLOCK
-        if T > B and ctx.cancel_checks:
+        if T > B and step.cancel_checks:
             # kernels.attention's own blocks of query rows, called one by one so that a cancel
             # is seen between them (a long prompt's attention is most of a layer): the same bits
             if keys.dtype != np.float32:
@@ -121,7 +145,7 @@ class GQAAttention:
             parts = []
             for t in range(0, T, B):
                 parts.append(kernels.attention(q[t: t + B], keys, values, self.scale, pos[t: t + B], self.window))
-                ctx.check_cancel()
+                step.check_cancel()
             out = np.concatenate(parts)
         else:
             out = kernels.attention(q, keys, values, self.scale, pos, self.window)

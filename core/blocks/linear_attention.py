@@ -17,7 +17,8 @@ Compiled (cython_kernels/linear_attention.h, ``kernels.linear_attention_kernels`
 core -- conv update + SiLU, l2norms, gates, the delta rule, the gated norm -- runs as one call for
 any number of positions (prefill and decode alike: 0.29 ms per layer at Qwen3.6's geometry where
 the numpy composition takes ~0.9-1.4 ms), with the bits of the same steps called one by one
-(``core_steps``; the engine's ``fused_attention`` False runs those), tested in
+(``core_steps``; the engine's ``fused_attention`` False runs those). The one call is the
+residual layer's compiled path (``compiled``, core.blocks.residual), tested in
 tests/test_linear_attention_block.py. The numpy reference (no extension) agrees to float32
 rounding (its exp is numpy's).
 
@@ -109,6 +110,23 @@ def gated_rms_norm(x: np.ndarray, w: np.ndarray, gate: np.ndarray, eps: float, a
     return normed * (kernels.silu(gate) if act == "silu" else sigmoid(gate))
 
 
+def check_folded(i: int, folded: list, cache) -> None:
+    if folded[i] != cache.length:
+        raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
+                        f"{cache.length} (a pass that did not finish): start a new cache")
+
+
+def whole_core(mixer, input_norm, compiled_kernels):
+    """A linear-attention mixer's compiled path for the residual layer (core.blocks.residual):
+    its core as one compiled call at any number of positions (prefill and decode alike); the
+    call declines (None) while ``compiled_kernels()`` has no extension (the numpy reference)."""
+    def run(i, x, step):
+        if compiled_kernels() is None:
+            return None
+        return x + mixer(i, kernels.rms_norm(x, input_norm, mixer.eps), step, fused=True), None, None
+    return run
+
+
 # --- Gated DeltaNet (Qwen3.5 / Qwen3.6 linear-attention layers) ----------------------------------
 @dataclass(frozen=True)
 class GatedDeltaNet:
@@ -161,16 +179,19 @@ class GatedDeltaNetMixer:
             raise ColiError(f"{p}: {spec.v_heads} value heads are not a multiple of {spec.k_heads} key heads")
         self.scale = np.float32(spec.k_dim ** -0.5)
 
-    def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
+    def compiled(self, input_norm, router=None, post_norm=None):
+        return whole_core(self, input_norm, kernels.linear_attention_kernels)
+
+    def __call__(self, i: int, h, step, fused: bool = False):
+        """fused: the core as one compiled call (the extension is there: ``compiled``)."""
         s, T = self.spec, h.shape[0]
+        cache = step.cache
         state = cache.state[i]
         folded = cache.folded
-        if folded[i] != cache.length:
-            raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
-                            f"{cache.length} (a pass that did not finish): start a new cache")
+        check_folded(i, folded, cache)
         qkv, z, b, a = kernels.matmul_many(h, [self.qkv, self.z, self.b, self.a])
         qm = kernels.linear_attention_kernels()
-        if qm is not None and getattr(ctx, "fused_attention", True):
+        if fused:
             # conv + l2norms + gates + delta rule + gated norm in one compiled call, at any T
             o = qm.gdn_block(qkv, z, b, a, self.conv_w, state["conv"], state["recurrent"], self.dt_bias,
                              self.neg_a, self.norm_w, self.eps, self.scale, s.k_heads, s.v_heads, s.k_dim, s.v_dim)
@@ -263,18 +284,21 @@ class KDAMixer:
         self.norm_w = kernels.vector(c.load(p + "o_norm.weight"))
         self.scale = np.float32(1 / (spec.head_dim ** 0.5))     # transformers: 1 / (d ** 0.5)
 
-    def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
+    def compiled(self, input_norm, router=None, post_norm=None):
+        return whole_core(self, input_norm, kernels.kda_kernels)
+
+    def __call__(self, i: int, h, step, fused: bool = False):
+        """fused: the core as one compiled call (the extension is there: ``compiled``)."""
         s, T = self.spec, h.shape[0]
+        cache = step.cache
         state = cache.state[i]
         folded = cache.folded
-        if folded[i] != cache.length:
-            raise ColiError(f"layer {i}: the recurrent state holds {folded[i]} positions but the cache "
-                            f"{cache.length} (a pass that did not finish): start a new cache")
+        check_folded(i, folded, cache)
         q, k, v, fa, b, ga = kernels.matmul_many(h, [self.q, self.k, self.v, self.f_a, self.b, self.g_a])
         f, gate = kernels.matmul(fa, self.f_b), kernels.matmul(ga, self.g_b)
         qkv = np.concatenate([q, k, v], axis=-1)
         qm = kernels.kda_kernels()
-        if qm is not None and getattr(ctx, "fused_attention", True):
+        if fused:
             # conv + l2norms + gates + per-channel delta rule + gated norm in one compiled call, at any T
             o = qm.kda_block(qkv, f, b, gate, self.conv_w, state["conv"], state["recurrent"], self.dt_bias,
                              self.neg_a, self.norm_w, self.eps, self.scale, s.heads, s.head_dim)

@@ -17,9 +17,8 @@ values it differs by float rounding only.
 
 Decode (one position) runs as one compiled call where the weights are int4 with one group size
 (cython_kernels/mla_block.h, ``kernels.mla_block``): the bits of the step-by-step composition
-below with the same kernels (tests/test_mla_block.py). The engine reaches it through
-``__call__`` (``_decode``; off with the engine's ``fused_attention``): its compiled-block
-protocol hands a block the KV views only, not the latent cache.
+below with the same kernels (tests/test_mla_block.py). The residual layer reaches it through
+``compiled`` (off with the engine's ``fused_attention``).
 
 DSA (GLM-5): on "full" layers an indexer scores every visible position -- Σ_h w_h relu(q_h·k / √d),
 w = weights_proj(x) / √H, with its own LayerNorm-ed keys cached per position and interleaved RoPE
@@ -127,14 +126,14 @@ class MLA:
         return out
 
     def build(self, c, p: str, eps: float) -> "MLAAttention":
-        return MLAAttention(self, c, p)
+        return MLAAttention(self, c, p, eps)
 
 
 class MLAAttention:
     window = None
 
-    def __init__(self, spec: MLA, c, p: str):
-        self.spec = spec
+    def __init__(self, spec: MLA, c, p: str, eps: float):
+        self.spec, self._eps = spec, eps      # eps: the layer's input norm (the compiled path)
         opt = lambda n: kernels.vector(c.load(p + n)) if (p + n) in c else None
         if spec.q_lora_rank:
             self.q_a, self.q_a_bias = c.load(p + "q_a_proj.weight"), opt("q_a_proj.bias")
@@ -177,33 +176,40 @@ class MLAAttention:
     def decode_block(self, input_norm, eps: float):
         """The whole decode step of the layer's attention -- input norm, this block, the residual
         add -- as one compiled call block(x, cos, sin, latent, pos, scale) -> x + attn(norm(x)),
-        or None. (The engine's compiled-block protocol hands the block KV views only, so today
-        the engine reaches ``self.fast`` through ``__call__`` instead; see _decode.)"""
+        or None. (The residual layer's compiled path runs ``self.fast`` on the normed input
+        instead, whose bits the step-by-step composition's are; see compiled.)"""
         return self._compiled(input_norm, eps)
 
-    def _decode(self, i, h, cos, sin, cache, pos, ctx):
-        """One position through the compiled block where it applies, else None. DSA: when every
+    def compiled(self, input_norm, router=None, post_norm=None):
+        """The residual layer's compiled path (core.blocks.residual): one decode position through
+        ``self.fast`` on the normed input, or None where it does not apply. DSA: when every
         visible position is selected (full layer: pos + 1 <= index_topk; shared layer: the layer
         before chose "all") the layer is dense attention; the indexer's key for this position
         is still computed and cached by the numpy step (_select, which then skips the scores)."""
-        s = self.spec
-        if self.fast is None or h.shape[0] != 1 or not getattr(ctx, "fused_attention", True):
+        if self.fast is None:
             return None
-        if s.indexer is not None:
-            if int(pos[0]) + 1 > s.indexer.topk:
-                return None
-            ctx.pass_state["dsa_allowed"] = self._select(i, h, None, cos, sin, cache, pos)
-        elif s.shared_index and ctx.pass_state.get("dsa_allowed") is not None:
-            return None
-        cache.ensure(i, cache.length + 1)
-        return self.fast(np.ascontiguousarray(h, dtype=np.float32), np.ascontiguousarray(cos, dtype=np.float32),
-                         np.ascontiguousarray(sin, dtype=np.float32), cache.arrays[i]["latent"],
-                         cache.length, self.scale)
 
-    def __call__(self, i: int, h, cos, sin, cache, pos: np.ndarray, ctx):
-        out = self._decode(i, h, cos, sin, cache, pos, ctx)
-        if out is not None:
-            return out
+        def run(i, x, step):
+            s, pos, cache = self.spec, step.pos, step.cache
+            if not step.decode:
+                return None
+            h = kernels.rms_norm(x, input_norm, self._eps)
+            if s.indexer is not None:
+                if int(pos[0]) + 1 > s.indexer.topk:
+                    return None
+                step.state["dsa_allowed"] = self._select(i, h, None, step)
+            elif s.shared_index and step.state.get("dsa_allowed") is not None:
+                return None
+            cos, sin = step.rope()
+            cache.ensure(i, cache.length + 1)
+            out = self.fast(np.ascontiguousarray(h, dtype=np.float32), np.ascontiguousarray(cos, dtype=np.float32),
+                            np.ascontiguousarray(sin, dtype=np.float32), cache.arrays[i]["latent"],
+                            cache.length, self.scale)
+            return x + out, None, None
+        return run
+
+    def __call__(self, i: int, h, step):
+        cos, sin, cache, pos = *step.rope(), step.cache, step.pos
         s, T = self.spec, h.shape[0]
         if s.q_lora_rank:
             q_resid = kernels.rms_norm(linear(h, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
@@ -218,10 +224,10 @@ class MLAAttention:
         rows = cache.append_part(i, "latent", np.concatenate([latent, k_rot], axis=-1)[:, None, :])
         allowed = None
         if s.indexer is not None:
-            allowed = self._select(i, h, q_resid, cos, sin, cache, pos)
-            ctx.pass_state["dsa_allowed"] = allowed
+            allowed = self._select(i, h, q_resid, step)
+            step.state["dsa_allowed"] = allowed
         elif s.shared_index:
-            allowed = ctx.pass_state["dsa_allowed"]
+            allowed = step.state["dsa_allowed"]
         # absorbed: queries into latent space, one key/value head over the latent rows
         rank = s.kv_lora_rank
         qq = np.empty((T, s.heads, rank + s.qk_rope), np.float32)
@@ -243,12 +249,13 @@ class MLAAttention:
         T, H, D = q.shape
         return kernels.attention(q, rows, rows, self.scale, pos, None, allowed).reshape(T, H, D)
 
-    def _select(self, i, h, q_resid, cos, sin, cache, pos):
+    def _select(self, i, h, q_resid, step):
         """The indexer's choice for each query row: allowed [T, S] (causal and among the top-k),
         or None when no row sees more than top-k positions (every visible one is selected: dense
         causal attention; the scores are then not computed). This position's index key is
         cached either way."""
         ix, T = self.spec.indexer, h.shape[0]
+        cos, sin, cache, pos = *step.rope(), step.cache, step.pos
         r = ix.rope
         k = layer_norm(kernels.matmul(h, self.ix_k), self.ix_norm_w, self.ix_norm_b, INDEX_NORM_EPS)
         k = np.concatenate([rope_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]], axis=-1)

@@ -50,7 +50,7 @@ class DenseMLP:
     def __init__(self, ffn: ExpertFFN):
         self.mlp = ffn
 
-    def __call__(self, i, h, pos, ctx, routed=None):
+    def __call__(self, i, h, step, routed=None):
         return expert_ffn(h, self.mlp)
 
 
@@ -98,17 +98,17 @@ class MoEBlock:
     def __init__(self, router, shared: ExpertFFN | None = None, shared_gate=None, limit: float | None = None):
         self.router, self.shared, self.shared_gate, self.limit = router, shared, shared_gate, limit
 
-    def __call__(self, i: int, h: np.ndarray, pos: np.ndarray, ctx, routed=None) -> np.ndarray:
-        """routed: (top, weights) of h when the attention block computed them already. ``ctx``
-        (the engine) gives the store and records routing (usage, trace, prefetch recall)."""
+    def __call__(self, i: int, h: np.ndarray, step, routed=None) -> np.ndarray:
+        """routed: (top, weights) of h when the attention block computed them already. ``step``
+        (core.step.Step) gives the store and records routing (usage, trace, prefetch recall)."""
         top, weights = routed if routed is not None else self.router.route(h)
-        ids, used = ctx.record_routing(i, top, pos)
+        ids, used = step.record_routing(i, top, step.pos)
         # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
         # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
         # slots and are summed in rank order, so arrival and grouping cannot change the output.
         if h.shape[0] == 1 and self.limit is None:    # decode: every expert reads the one row (laid out once)
             contrib = np.empty((1, top.shape[1], h.shape[1]), np.float32)
-            for batch in ctx.store.request_batches(i, used):
+            for batch in step.store.request_batches(i, used):
                 kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
             out = kernels.rank_sum(contrib[0], weights[0])
         else:
@@ -118,7 +118,7 @@ class MoEBlock:
             y = np.empty((T * k, h.shape[1]), np.float32)
             slots = np.full((T, k), -1, np.int64)     # a slot left unset fails the combine
             at = 0
-            for batch in ctx.store.request_batches(i, used):
+            for batch in step.store.request_batches(i, used):
                 picks = [np.nonzero(top == e) for e, _ in batch]
                 rows = np.concatenate([r for r, _ in picks])
                 ranks = np.concatenate([r for _, r in picks])
@@ -130,7 +130,7 @@ class MoEBlock:
                                                             for (r, _), (_, ffn) in zip(picks, batch)])
                 slots[rows, ranks] = np.arange(at, at + len(rows))
                 at += len(rows)
-                ctx.check_cancel()     # a prefill batch of experts can take a while
+                step.check_cancel()     # a prefill batch of experts can take a while
             out = kernels.rank_combine(y, slots, weights)   # rank 0 + rank 1 + ..., in that order
         if self.shared is not None:
             y = expert_ffn(h, self.shared, self.limit)
