@@ -55,10 +55,15 @@ class KVCache:
         # positions, width] -- in ``arrays``, and fixed-size ones -- a linear-attention layer's
         # conv window and recurrent state, float32, written in place -- in ``state``
         self.arrays, self.state = [], []
+        # and kinds that keep their own state object (``make()``: DeepSeek V4's ring and
+        # compressors), per layer by kind name: ``cache[i]``
+        self.objects: list[dict] = []
         for i, entry in enumerate(spec.cache_kinds):
-            parts, fixed = {}, {}
+            parts, fixed, objects = {}, {}, {}
             for kind in layer_kinds(entry):
-                if hasattr(kind, "parts"):
+                if hasattr(kind, "make"):
+                    objects[kind.name] = kind.make()
+                elif hasattr(kind, "parts"):
                     for name, (lead, width) in kind.parts().items():
                         parts[name] = (lead, width)
                 elif hasattr(kind, "state_parts"):
@@ -68,6 +73,7 @@ class KVCache:
                     raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
             self.arrays.append(parts)
             self.state.append(fixed)
+            self.objects.append(objects)
         old = recycled if recycled is not None and len(recycled) == len(self.arrays) else None
         if old is not None and any(a.dtype != self.dtype for layer, parts in zip(old, self.arrays)
                                    for name, a in layer.items() if name in parts):
@@ -91,6 +97,10 @@ class KVCache:
         # a pass cut short leaves them ahead, and a state layer then refuses to continue)
         self.folded = [0] * len(self.arrays)
         self.reserve = kv_reserved_positions(spec)
+
+    def __getitem__(self, layer: int) -> dict:
+        """A layer's state objects by kind name (kinds with ``make()``)."""
+        return self.objects[layer]
 
     def _views(self) -> None:
         # attention's keys and values per layer (None where a layer keeps no KV): the compiled
@@ -176,10 +186,12 @@ class Engine:
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
-        # the named rotary tables a pass offers its blocks (Step.rope): "main" from the spec's
-        # fields, and any more the family declares
-        self.rope_tables = {"main": Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim,
-                                         partial=spec.rope_partial), **spec.rope_tables}
+        # the named rotary tables a pass offers its blocks (Step.rope): the family's, and "main"
+        # from the spec's fields unless the family built it (DeepSeek V4's nested parameters)
+        self.rope_tables = dict(spec.rope_tables)
+        if "main" not in self.rope_tables:
+            self.rope_tables["main"] = Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim,
+                                            partial=spec.rope_partial)
         self._cancel = threading.Event()
         self._cancel_checks = False      # True while generate() runs: forward() may stop early
         moe = [i for i, L in enumerate(self.layers) if L.kind == "moe"]
@@ -263,7 +275,8 @@ class Engine:
         if j is None or not self._prefetching():
             return
         L = self.layers[j]
-        ranked = L.router.predict(L.router_input(x, step))
+        known = getattr(L, "known_experts", None)      # hash routing: certain, from the ids
+        ranked = known(step) if known is not None else L.router.predict(L.router_input(x, step))
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
 

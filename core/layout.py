@@ -20,11 +20,11 @@ def expected_tensors(spec: ArchSpec) -> list:
     """Every tensor the spec's layers need (core.blocks.common.Need), the embedding, final norm
     and head included: the one list of the checkpoint's tensors, read by this check, the
     converter, synthetic checkpoints and size estimates."""
-    from .blocks.common import Need
+    from .blocks.embed import Embedding, LMHead
     H, V, p = spec.hidden_size, spec.vocab_size, spec.prefix
-    out = [Need(p + "embed_tokens.weight", (V, H)), Need(p + "norm.weight", (H,))]
-    if not spec.tie_word_embeddings:
-        out.append(Need("lm_head.weight", (V, H)))
+    embedding = spec.embedding or Embedding(V, H, spec.tie_word_embeddings)
+    head = spec.head or LMHead(V, H, spec.tie_word_embeddings, spec.norm_offset)
+    out = embedding.tensors(p) + head.tensors(p)
     for i, layer in enumerate(spec.layers):
         out += layer.tensors(f"{p}layers.{i}.", H)
     return out

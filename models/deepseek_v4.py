@@ -342,8 +342,7 @@ class HashRouter:
 
     def build(self, c, p: str, experts: int, hidden: int) -> HashTopK:
         from core.blocks.routers import _router_weight
-        w = c.load(p + "gate.tid2eid")
-        table = np.asarray(w.data).astype(np.int64)
+        table = c.load_ints(p + "gate.tid2eid")
         if table.shape != (self.vocab, self.top_k):
             raise ColiError(f"{p}gate.tid2eid: shape {list(table.shape)}, the config needs [{self.vocab}, {self.top_k}]")
         srt = np.sort(table, axis=1)
@@ -354,8 +353,7 @@ class HashRouter:
 
 @dataclass(frozen=True)
 class StepMoE:
-    """core.blocks.mlp.MoE under the step contract: ``ffn(i, h, step)``; a hash-routed layer routes
-    by the step's token ids."""
+    """core.blocks.mlp.MoE whose hash-routed layers route by the step's token ids."""
     moe: MoE
     kind = "moe"
 
@@ -378,9 +376,10 @@ class StepMoEBlock:
         if isinstance(self.router, HashTopK):      # the engine prefetches these before layer 0
             self.known_experts = lambda step: self.router.known(step.ids)
 
-    def __call__(self, i: int, h: np.ndarray, step) -> np.ndarray:
-        routed = self.router.route(h, step.ids) if isinstance(self.router, HashTopK) else None
-        return self.block(i, h, step.pos, step, routed)
+    def __call__(self, i: int, h: np.ndarray, step, routed=None) -> np.ndarray:
+        if routed is None and isinstance(self.router, HashTopK):
+            routed = self.router.route(h, step.ids)
+        return self.block(i, h, step, routed)
 
 
 # --- the family -------------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
 """DeepSeek V4 (models/deepseek_v4.py on core.blocks.mhc / shared_kv) against transformers 5.25's
 DeepseekV4ForCausalLM: tiny random models with every feature on -- the three layer types, hash
 layers, sinks, a window shorter than the prompt, compression ratios 4 and 8 completing several
-blocks, an indexer top-k below the entries, yarn on the compress table, clamping active --
-saved with save_pretrained and read back as the container's tensors. Prefill logits within 1e-4;
-decode through the caches one position at a time within 1e-5 of our prefill and 1e-4 of
-transformers' own decode. (A minimal local driver runs the layers until core.engine's step loop
-takes them.)"""
+blocks, an indexer top-k below the entries, yarn on the compress table, clamping active -- saved
+with save_pretrained, converted (coli convert --bits 16) and run by core.engine.Engine
+(models.open_model). Prefill logits within 1e-4 of transformers; decode through the caches one
+position at a time within 2e-5 of our prefill and 1e-4 of transformers' own decode."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,86 +15,14 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no deepseek_v4", allow_module_level=True)
 
-from core.container import Weight                              # noqa: E402
+from core.converter import convert                             # noqa: E402
 from core.errors import ColiError                              # noqa: E402
-from core.safetensors_io import SafetensorsFile                # noqa: E402
-from core.store import ExpertFFN                               # noqa: E402
-from core.cache_kinds import layer_kinds                       # noqa: E402
+from models import open_model                                  # noqa: E402
 from models.deepseek_v4 import DeepseekV4                      # noqa: E402
+from models.registry import validate_config                    # noqa: E402
 
 T = 40
 LIMIT = 1.0
-
-
-class Tensors:
-    """A save_pretrained checkpoint's tensors as the blocks load them (c.load / in)."""
-
-    def __init__(self, path):
-        self.f = SafetensorsFile(path / "model.safetensors")
-
-    def __contains__(self, name):
-        return name in self.f.tensors
-
-    def load(self, name):
-        a = np.ascontiguousarray(self.f.float32(name) if not name.endswith("tid2eid") else self.f.raw(name))
-        return Weight("dense", a.shape, a)
-
-
-class Store:
-    def __init__(self, c):
-        self.c = c
-
-    def request_batches(self, i, used):
-        for e in used:
-            p = f"model.layers.{i}.ffn.experts.{e}."
-            yield [(e, ExpertFFN(*(self.c.load(p + n + ".weight") for n in ("w1", "w3", "w2"))))]
-
-
-class Model:
-    """The family's blocks as core.engine will hold them (embedding, layers, head)."""
-
-    def __init__(self, c, spec):
-        p, eps = spec.prefix, spec.rms_norm_eps
-        self.spec, self.store = spec, Store(c)
-        self.embed = spec.embedding.build(c, p)
-        self.layers = [decl.build(c, f"{p}layers.{i}.", eps) for i, decl in enumerate(spec.layers)]
-        self.head = spec.head.build(c, p, eps, self.embed)
-
-    def new_cache(self):
-        """Per layer, its states by kind name (core/cache.py's job once that lands)."""
-        return [{k.name: k.make() for k in layer_kinds(e)} for e in self.spec.cache_kinds]
-
-
-class Step:
-    """The contract's step (core/step.py to come): ids, positions, caches, named rotary tables,
-    the store's face."""
-    cancel_checks = False
-
-    def __init__(self, model, ids, pos, cache):
-        self.ids, self.pos, self.cache, self.store = ids, pos, cache, model.store
-        self.model, self.tables = model, {}
-
-    def rope(self, name):
-        if name not in self.tables:
-            self.tables[name] = self.model.spec.rope_tables[name].cos_sin(self.pos)
-        return self.tables[name]
-
-    def record_routing(self, i, top, pos):
-        return (top[0].tolist(), sorted(top[0].tolist())) if top.shape[0] == 1 else ([], np.unique(top).tolist())
-
-    def check_cancel(self):
-        pass
-
-    def mixed(self, i, x):
-        pass
-
-
-def forward(model, ids, start, cache):
-    step = Step(model, ids, np.arange(start, start + len(ids)), cache)
-    x = model.embed(ids, step)
-    for i, layer in enumerate(model.layers):
-        x = layer(i, x, step)
-    return model.head(x, step)
 
 
 def tiny_config(**kw):
@@ -164,24 +91,21 @@ def reference(cfg, seed, path, decode=True):
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dsv4")
-    return (path, *reference(tiny_config(), 0, path))
-
-
-def ours(path):
-    import json
-    config = json.loads((path / "config.json").read_text())
-    return Model(Tensors(path), DeepseekV4.spec(config))
+    """transformers' logits of the random model, and our container of it (coli convert --bits 16)."""
+    src, out = tmp_path_factory.mktemp("dsv4"), tmp_path_factory.mktemp("dsv4c") / "c16"
+    ids, full, steps = reference(tiny_config(), 0, src)
+    convert(src, out, bits=16, validate_config=validate_config)
+    return out, ids, full, steps
 
 
 def test_prefill_and_decode_match_transformers(case):
-    path, ids, full, steps = case
-    model = ours(path)
-    got = forward(model, ids, 0, model.new_cache())
+    out, ids, full, steps = case
+    engine = open_model(out, threads=1)
+    got = engine.logits(ids)
     assert np.abs(got - full).max() <= 1e-4
     assert (got.argmax(-1) == full.argmax(-1)).all()
-    cache = model.new_cache()
-    dec = np.concatenate([forward(model, ids[t: t + 1], t, cache) for t in range(T)])
+    cache = engine.new_cache()
+    dec = np.concatenate([engine.forward([t], cache) for t in ids])
     assert np.abs(dec - got).max() <= 2e-5
     assert np.abs(dec - steps).max() <= 1e-4
 
@@ -189,13 +113,34 @@ def test_prefill_and_decode_match_transformers(case):
 def test_chunked_prefill_continues_the_caches(case):
     """A prompt in uneven chunks (partial blocks carried, overlap state across calls) gives the
     one-pass logits."""
-    path, ids, full, _ = case
-    model = ours(path)
-    cache, parts, at = model.new_cache(), [], 0
+    out, ids, full, _ = case
+    engine = open_model(out, threads=1)
+    cache, parts, at = engine.new_cache(), [], 0
     for n in (5, 11, 1, 3, 20):
-        parts.append(forward(model, ids[at: at + n], at, cache))
+        parts.append(engine.forward(ids[at: at + n], cache, all_logits=True))
         at += n
     assert np.abs(np.concatenate(parts) - full).max() <= 1e-4
+
+
+def test_placement_never_changes_the_logits(case):
+    """One expert slot per layer, prefetch off, or every expert resident: the same bits."""
+    out, ids, _, _ = case
+    base = open_model(out, threads=1).logits(ids)
+    for kw in (dict(cap=1), dict(cap=1, prefetch=False), dict(cap=2, threads=2)):
+        assert np.array_equal(open_model(out, **kw).logits(ids), base)
+
+
+def test_an_unfinished_pass_refuses_to_continue(case):
+    """The ring and compressors fold positions in: a pass cut short leaves them ahead of the
+    cache, and the next pass says so instead of computing from a wrong state."""
+    out, ids, _, _ = case
+    engine = open_model(out, threads=1)
+    cache = engine.new_cache()
+    engine.layers[2].ffn = None           # the pass dies in layer 2's ffn, after its attention
+    with pytest.raises(TypeError):
+        engine.forward(ids[:5], cache)
+    with pytest.raises(ColiError, match="holds 5 positions but the cache 0"):
+        engine.forward(ids[:5], cache)
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -231,27 +176,23 @@ def test_reads_deepseeks_own_config_fields():
 def test_lookahead_sees_what_the_router_sees(case):
     """router_input of the streams after a layer's attention (the engine's lookahead, at
     step.mixed) is the ffn's own input; a hash layer's known experts are the ones it routes to."""
-    path, ids, _, _ = case
-    model = ours(path)
+    out, ids, _, _ = case
+    engine = open_model(out, threads=1)
     seen, mixed = {}, {}
-    for i, L in enumerate(model.layers):
-        inner = L.ffn
-
-        def spy(j, h, step, inner=inner):
+    for i, L in enumerate(engine.layers):
+        def spy(j, h, step, routed=None, inner=L.ffn):
             seen[j] = (h, inner.router.route(h, step.ids) if hasattr(inner, "known_experts") else inner.router.route(h))
-            return inner(j, h, step)
+            return inner(j, h, step, routed)
         L.ffn = spy
-    step = Step(model, ids, np.arange(len(ids)), model.new_cache())
-    step.mixed = lambda i, x: mixed.__setitem__(i, model.layers[i].router_input(x, step))
-    x = model.embed(ids, step)
-    for i, L in enumerate(model.layers):
-        x = L(i, x, step)
-    hashed = [i for i, L in enumerate(model.layers) if hasattr(L, "known_experts")]
+    engine.lookahead = lambda i, x, step: mixed.__setitem__(i, engine.layers[i].router_input(x, step))
+    engine.logits(ids)
+    hashed = [i for i, L in enumerate(engine.layers) if hasattr(L, "known_experts")]
     assert hashed == [0, 1]
-    for i in range(len(model.layers)):
+    for i in range(len(engine.layers)):
         assert np.array_equal(mixed[i], seen[i][0])
+    step = engine.step(np.asarray(ids), engine.new_cache())
     for i in hashed:
-        assert set(model.layers[i].known_experts(step)) == set(np.unique(seen[i][1][0]).tolist())
+        assert set(engine.layers[i].known_experts(step)) == set(np.unique(seen[i][1][0]).tolist())
 
 
 def test_cache_kinds_of_the_flash_geometry():
@@ -270,7 +211,8 @@ def test_tied_head_and_sigmoid_scores(tmp_path):
     scoring_func sigmoid, prefill only."""
     cfg = tiny_config(num_hidden_layers=2, layer_types=["compressed_sparse_attention", "sliding_attention"],
                       mlp_layer_types=["moe", "hash_moe"], tie_word_embeddings=True, scoring_func="sigmoid")
-    ids, full, _ = reference(cfg, 3, tmp_path, decode=False)
-    model = ours(tmp_path)
-    assert "head.weight" not in model.store.c
-    assert np.abs(forward(model, ids, 0, model.new_cache()) - full).max() <= 1e-4
+    ids, full, _ = reference(cfg, 3, tmp_path / "src", decode=False)
+    convert(tmp_path / "src", tmp_path / "c16", bits=16, validate_config=validate_config)
+    engine = open_model(tmp_path / "c16", threads=1)
+    assert "head.weight" not in engine.container
+    assert np.abs(engine.logits(ids) - full).max() <= 1e-4

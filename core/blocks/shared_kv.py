@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import kernels
 from .common import Need, norm_weight
+from .linear_attention import check_folded
 from .mhc import unweighted_rms_norm
 
 
@@ -143,10 +144,13 @@ class SharedKVAttention:
         q = rope_pairs_tail(q, cos, sin)
         kv = kernels.rms_norm(kernels.matmul(h, self.kv), self.kv_norm, self.eps)
         kv = rope_pairs_tail(kv[:, None, :], cos, sin)[:, 0]
-        keys, allowed = step.cache[i]["ring"].append(kv, step.pos)
+        cache = step.cache
+        check_folded(i, cache.folded, cache)        # the ring and compressors fold positions in
+        keys, allowed = cache[i]["ring"].append(kv, step.pos)
         if self.extra is not None:
             more, sees = self.extra(i, h, q_res, step)
             keys, allowed = np.concatenate([keys, more]), np.concatenate([allowed, sees], axis=1)
+        cache.folded[i] = cache.length + T
         out = attend_with_sinks(q, keys, allowed, self.sinks, self.scale)
         out = rope_pairs_tail(out, cos, -sin)            # V's rotation undone at the query's position
         grouped = np.einsum("tgi,gri->tgr", out.reshape(T, s.o_groups, -1), self.o_a, dtype=np.float32)
