@@ -44,6 +44,7 @@ from .container import FORMAT, FORMAT_VERSION, MANIFEST, MAX_GROUP_SIZE, tensor_
 from .errors import ColiError
 from .fileio import atomic_write_text
 from .integrity import ALGORITHM, shard_checksums
+from .layout import expected_tensors
 from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
@@ -287,11 +288,11 @@ def _split_fused(sources: dict[str, _Source], config: dict, files_by_name) -> di
     return out
 
 
-def _plan(sources: dict[str, _Source], bits: int,
-          mtp: dict[str, str] | None = None) -> list[tuple[str, list[_Out]]]:
+def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = None,
+          floats: frozenset = frozenset()) -> list[tuple[str, list[_Out]]]:
     """Output shards in order: one per decoder layer, then everything else, then one per MTP group
     (``mtp``: tensor name -> group, see ``mtp_group``). Within a shard, the dense tensors by name,
-    then each routed expert's tensors together."""
+    then each routed expert's tensors together. ``floats``: names the blocks need in float32."""
     mtp = mtp or {}
     by_layer: dict[int | None, list[_Out]] = {}
     by_group: dict[str, list[_Out]] = {}
@@ -299,6 +300,8 @@ def _plan(sources: dict[str, _Source], bits: int,
         s = sources[name]
         if s.dtype not in FLOAT_DTYPES and bits != 16:
             scheme = "keep"
+        elif name in floats and bits != 16:
+            scheme = "f32"
         else:
             scheme = quant.scheme_for(name, len(s.shape), bits)
         if s.scale_inv is not None and bits == 16:
@@ -447,7 +450,8 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
             mtp_entry["tensors"] = len(mtp)
             sources = {n: s for n, s in sources.items() if n not in mtp}
             mtp = {}
-    plan = _plan(sources, bits, mtp)
+    floats = frozenset(n.name for n in expected_tensors(spec) if n.float32) if spec is not None else frozenset()
+    plan = _plan(sources, bits, mtp, floats)
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}

@@ -185,8 +185,10 @@ class Compressor:
 
     def tensors(self, p: str) -> list[Need]:
         w = self.dim * (2 if self.overlap else 1)
-        return [Need(p + "wkv.weight", (w, self.hidden)), Need(p + "wgate.weight", (w, self.hidden)),
-                Need(p + "ape", (self.ratio, w)), Need(p + "norm.weight", (self.dim,))]
+        # float32 as transformers keeps them (they decide the entries every later query reads)
+        return [Need(p + "wkv.weight", (w, self.hidden), float32=True),
+                Need(p + "wgate.weight", (w, self.hidden), float32=True),
+                Need(p + "ape", (self.ratio, w), float32=True), Need(p + "norm.weight", (self.dim,))]
 
     def cache_kind(self) -> Compressed:
         return Compressed(self.ratio, self.dim, self.overlap, self.name)
@@ -249,7 +251,7 @@ class Indexer:
         d = self.compressor.dim
         return self.compressor.tensors(p + "compressor.") + [
             Need(p + "wq_b.weight", (self.heads * d, self.q_lora_rank)),
-            Need(p + "weights_proj.weight", (self.heads, self.compressor.hidden))]
+            Need(p + "weights_proj.weight", (self.heads, self.compressor.hidden), float32=True)]
 
     def build(self, c, p: str, eps: float) -> "IndexerBlock":
         return IndexerBlock(self, c, p, eps)
@@ -338,7 +340,7 @@ class HashRouter:
     vocab: int
 
     def tensors(self, p: str, experts: int, hidden: int) -> list[Need]:
-        return [Need(p + "gate.weight", (experts, hidden)), Need(p + "gate.tid2eid", (self.vocab, self.top_k))]
+        return [Need(p + "gate.weight", (experts, hidden), float32=True), Need(p + "gate.tid2eid", (self.vocab, self.top_k))]
 
     def build(self, c, p: str, experts: int, hidden: int) -> HashTopK:
         from core.blocks.routers import _router_weight

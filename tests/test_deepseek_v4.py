@@ -95,11 +95,11 @@ def case(tmp_path_factory):
     src, out = tmp_path_factory.mktemp("dsv4"), tmp_path_factory.mktemp("dsv4c") / "c16"
     ids, full, steps = reference(tiny_config(), 0, src)
     convert(src, out, bits=16, validate_config=validate_config)
-    return out, ids, full, steps
+    return out, ids, full, steps, src
 
 
 def test_prefill_and_decode_match_transformers(case):
-    out, ids, full, steps = case
+    out, ids, full, steps, _ = case
     engine = open_model(out, threads=1)
     got = engine.logits(ids)
     assert np.abs(got - full).max() <= 1e-4
@@ -113,7 +113,7 @@ def test_prefill_and_decode_match_transformers(case):
 def test_chunked_prefill_continues_the_caches(case):
     """A prompt in uneven chunks (partial blocks carried, overlap state across calls) gives the
     one-pass logits."""
-    out, ids, full, _ = case
+    out, ids, full, _, _ = case
     engine = open_model(out, threads=1)
     cache, parts, at = engine.new_cache(), [], 0
     for n in (5, 11, 1, 3, 20):
@@ -124,7 +124,7 @@ def test_chunked_prefill_continues_the_caches(case):
 
 def test_placement_never_changes_the_logits(case):
     """One expert slot per layer, prefetch off, or every expert resident: the same bits."""
-    out, ids, _, _ = case
+    out, ids, _, _, _ = case
     base = open_model(out, threads=1).logits(ids)
     for kw in (dict(cap=1), dict(cap=1, prefetch=False), dict(cap=2, threads=2)):
         assert np.array_equal(open_model(out, **kw).logits(ids), base)
@@ -133,7 +133,7 @@ def test_placement_never_changes_the_logits(case):
 def test_an_unfinished_pass_refuses_to_continue(case):
     """The ring and compressors fold positions in: a pass cut short leaves them ahead of the
     cache, and the next pass says so instead of computing from a wrong state."""
-    out, ids, _, _ = case
+    out, ids, _, _, _ = case
     engine = open_model(out, threads=1)
     cache = engine.new_cache()
     engine.layers[2].ffn = None           # the pass dies in layer 2's ffn, after its attention
@@ -176,7 +176,7 @@ def test_reads_deepseeks_own_config_fields():
 def test_lookahead_sees_what_the_router_sees(case):
     """router_input of the streams after a layer's attention (the engine's lookahead, at
     step.mixed) is the ffn's own input; a hash layer's known experts are the ones it routes to."""
-    out, ids, _, _ = case
+    out, ids, _, _, _ = case
     engine = open_model(out, threads=1)
     seen, mixed = {}, {}
     for i, L in enumerate(engine.layers):
@@ -216,3 +216,29 @@ def test_tied_head_and_sigmoid_scores(tmp_path):
     engine = open_model(tmp_path / "c16", threads=1)
     assert "head.weight" not in engine.container
     assert np.abs(engine.logits(ids) - full).max() <= 1e-4
+
+
+def test_bits4_against_transformers_on_the_dequantized_weights(case, tmp_path):
+    """--bits 4 (experts and attention int4, the mHC mixes, router, grouped o_a and compressors
+    float32 as the blocks declare): transformers run on the container's own dequantized weights
+    gives our logits (argmax at T - 1 positions at least)."""
+    from safetensors.torch import save_file
+
+    from core.blocks.common import float32_matrix
+    from core.container import Container
+    _, ids, _, _, src = case
+    out = tmp_path / "c4"
+    convert(src, out, bits=4, validate_config=validate_config)
+    c = Container(out)
+    assert c.load("model.layers.0.hc_attn_fn").scheme == "dense"
+    assert c.load("model.layers.1.attn.wq_a.weight").scheme == "int4"
+    tensors = {n: torch.from_numpy(np.array(c.load_ints(n) if n.endswith("tid2eid") else float32_matrix(c.load(n))))
+               for n in c.names() if not n.endswith(".qs")}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    m = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = m(torch.from_numpy(ids)[None]).logits[0].numpy()
+    got = open_model(out, threads=1).logits(ids)
+    assert (got.argmax(-1) == ref.argmax(-1)).sum() >= T - 1
+    assert np.abs(got - ref).max() <= 1e-3

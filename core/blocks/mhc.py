@@ -85,7 +85,7 @@ class MHC:
         mixes, width = (2 + self.n) * self.n, self.n * hidden
         out = [Need(p + "attn_norm.weight", (hidden,)), Need(p + "ffn_norm.weight", (hidden,))]
         for hc in ("hc_attn_", "hc_ffn_"):
-            out += [Need(p + hc + "fn", (mixes, width)), Need(p + hc + "base", (mixes,)),
+            out += [Need(p + hc + "fn", (mixes, width), float32=True), Need(p + hc + "base", (mixes,)),
                     Need(p + hc + "scale", (3,))]
         return out + self.mixer.tensors(p + self.mixer_prefix) + self.ffn.tensors(p + self.ffn_prefix)
 
@@ -175,7 +175,7 @@ class StreamHead:
 
     def tensors(self, p: str) -> list[Need]:
         n, H = self.n, self.hidden
-        out = [Need(p + "hc_head.hc_fn", (n, n * H)), Need(p + "hc_head.hc_base", (n,)),
+        out = [Need(p + "hc_head.hc_fn", (n, n * H), float32=True), Need(p + "hc_head.hc_base", (n,)),
                Need(p + "hc_head.hc_scale", (1,)), Need(p + "norm.weight", (H,))]
         return out + ([] if self.tied else [Need(self.head, (self.vocab, H))])
 

@@ -140,7 +140,7 @@ class ScoreRouter:
 
     def tensors(self, p: str, experts: int, hidden: int):
         from .common import Need
-        return [Need(p + "gate.weight", (experts, hidden)), Need(p + "gate." + self.bias_name, (experts,))]
+        return [Need(p + "gate.weight", (experts, hidden), float32=True), Need(p + "gate." + self.bias_name, (experts,))]
 
     def build(self, c, p: str, experts: int, hidden: int):
         bias = kernels.vector(c.load(p + "gate." + self.bias_name))

@@ -117,7 +117,7 @@ class SharedKV:
         out = [Need(p + "wq_a.weight", (self.q_lora_rank, H)), Need(p + "q_norm.weight", (self.q_lora_rank,)),
                Need(p + "wq_b.weight", (self.heads * D, self.q_lora_rank)),
                Need(p + "wkv.weight", (D, H)), Need(p + "norm.weight", (D,)),
-               Need(p + "wo_a.weight", (G * self.o_lora_rank, self.heads * D // G)),
+               Need(p + "wo_a.weight", (G * self.o_lora_rank, self.heads * D // G), float32=True),
                Need(p + "wo_b.weight", (H, G * self.o_lora_rank)), Need(p + "attn_sink", (self.heads,))]
         return out + (self.extra.tensors(p) if self.extra else [])
 
