@@ -34,7 +34,7 @@ from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # 
 from core import kernels, quant  # noqa: E402
 from core.blocks.mla import MLA, MLAAttention, rope_interleaved  # noqa: E402
 from core.container import Weight  # noqa: E402
-from core.engine import KVCache  # noqa: E402
+from core.cache import KVCache  # noqa: E402
 from core.rope import Rope  # noqa: E402
 from core.step import Step  # noqa: E402
 

@@ -38,7 +38,7 @@ def _stub_products(kernels) -> None:
 
 
 def step_ms(engine, context: int, steps: int) -> float:
-    from core.engine import KVCache
+    from core.cache import KVCache
 
     cache = KVCache(engine.spec)
     engine.forward(list(range(1, context + 1)), cache)

@@ -5,7 +5,14 @@ a family whose layers keep something else -- an MLA latent, index keys, a linear
 layer's conv and recurrent state, which are fixed-size whatever the context -- only declares
 another kind.
 
-Kinds are numpy-free and cheap to build; the arrays live in ``core.engine.KVCache``.
+Each kind also keeps its own arrays (``core.cache.KVCache`` holds them per layer and asks the
+kind): ``make`` them (writing over a finished cache's where the shapes allow), ``append`` a pass's
+rows and ``view`` them, say whether positions can be dropped (``truncatable``), ``checkpoint`` and
+``restore`` what truncating cannot bring back. Growing kinds keep ``[lead, capacity, width]``
+arrays in ``KVCache.arrays`` (a position's row never changes: truncating is setting the length);
+fixed-size kinds keep whole arrays in ``KVCache.state``. A new kind is one class.
+
+Kinds are numpy-free to import and cheap to build (the UI's fit check reads their sizes).
 """
 from __future__ import annotations
 
@@ -29,9 +36,47 @@ class _Growing:
     # cache only where its state is known -- its very end, or the checkpoint of the state taken
     # at its prompt's end (a turn boundary) -- never truncating it elsewhere.
     truncatable = True
+    growing = True
 
     def parts(self) -> dict[str, tuple[int, int]]:
         raise NotImplementedError
+
+    def make(self, dtype, recycled: dict) -> dict:
+        """Empty arrays [lead, 0, width], or ``recycled``'s where lead, width and dtype match."""
+        import numpy as np
+        out = {}
+        for name, (lead, width) in self.parts().items():
+            a = recycled.get(name)
+            ok = a is not None and a.ndim == 3 and (a.shape[0], a.shape[2]) == (lead, width) and a.dtype == dtype
+            out[name] = a if ok else np.empty((lead, 0, width), dtype)
+        return out
+
+    def ensure(self, arrays: dict, n: int, length: int, reserve: int) -> None:
+        """Room for n positions (the first ``length`` kept). The first growth maps ``reserve``
+        positions at once (core.memory.lazy_array: address space until written), then doubles."""
+        from .memory import lazy_array
+        for name in self.parts():
+            old = arrays[name]
+            if old.shape[1] < n:
+                grown = lazy_array((old.shape[0], max(n, 2 * old.shape[1], reserve), old.shape[2]), old.dtype)
+                grown[:, :length] = old[:, :length]
+                arrays[name] = grown
+
+    def append(self, arrays: dict, name: str, x, length: int):
+        """Write x [T, lead, width] at positions [length, length+T) (room made: ensure) and return
+        the view [lead, length+T, width] of every position so far."""
+        n = length + x.shape[0]
+        arrays[name][:, length: n] = x.transpose(1, 0, 2)
+        return arrays[name][:, :n]
+
+    def view(self, arrays: dict, name: str, length: int):
+        return arrays[name][:, :length]
+
+    def checkpoint(self, arrays: dict) -> dict:
+        return {}           # rows never change once written: nothing truncation loses
+
+    def restore(self, arrays: dict, saved: dict) -> None:
+        pass
 
     def bytes_per_position(self, dtype: str = "float32") -> int:
         return sum(lead * width for lead, width in self.parts().values()) * _itemsize(dtype)
@@ -93,17 +138,44 @@ class _Fixed:
 
     # the positions are folded in: a cache holding them cannot drop its last ones (see _Growing)
     truncatable = False
+    growing = False
     dtype = "float32"
 
     def state_parts(self) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
+
+    def array_dtype(self, cache_dtype: str) -> str:
+        """The arrays' dtype: float32 whatever the cache's (see above)."""
+        return self.dtype
 
     def bytes_per_position(self, dtype: str = "float32") -> int:
         return 0
 
     def fixed_bytes(self, dtype: str = "float32") -> int:
         import math
-        return sum(math.prod(shape) for shape in self.state_parts().values()) * _itemsize(self.dtype)
+        size = _itemsize(self.array_dtype(dtype))
+        return sum(math.prod(shape) for shape in self.state_parts().values()) * size
+
+    def make(self, dtype, recycled: dict) -> dict:
+        """Zeroed arrays (a new sequence starts from the zero state), ``recycled``'s where they fit."""
+        import numpy as np
+        out, dt = {}, np.dtype(self.array_dtype(np.dtype(dtype).name))
+        for name, shape in self.state_parts().items():
+            a = recycled.get(name)
+            if a is not None and a.shape == tuple(shape) and a.dtype == dt:
+                a.fill(0)
+            else:
+                a = np.zeros(shape, dt)
+            out[name] = a
+        return out
+
+    def checkpoint(self, arrays: dict) -> dict:
+        """A copy of the arrays: the state as of the cache's length."""
+        return {name: arrays[name].copy() for name in self.state_parts()}
+
+    def restore(self, arrays: dict, saved: dict) -> None:
+        for name in self.state_parts():
+            arrays[name][...] = saved[name]
 
 
 @dataclass(frozen=True)
@@ -134,6 +206,51 @@ class Recurrent(_Fixed):
 
     def describe(self) -> str:
         return f"recurrent state ({self.heads} x {self.k_dim} x {self.v_dim})"
+
+
+@dataclass(frozen=True)
+class Ring(_Fixed):
+    """A sliding window's keys and values (``names``: ``k`` and ``v``; one shared ``kv`` for
+    shared-KV attention), ``lead`` x ``width`` per position, of the last ``window`` positions
+    only: a ring of ``window`` rows, position p in row p % window, in the cache's precision. Its
+    bytes are bounded whatever the context (fixed bytes, none per position); positions that left
+    the window are gone, so it cannot drop its last ones (truncatable False: checkpoints copy it).
+    Attention sinks are per-head logits of the mixer (DeepSeek V4): nothing to keep here."""
+    lead: int
+    width: int
+    window: int
+    names: tuple[str, ...] = ("k", "v")
+    name = "ring"
+
+    def state_parts(self):
+        return {n: (self.lead, self.window, self.width) for n in self.names}
+
+    def array_dtype(self, cache_dtype: str) -> str:
+        return cache_dtype
+
+    def append(self, arrays: dict, name: str, x, length: int):
+        """Write x [T, lead, width] for positions [length, length+T) and return (rows, start):
+        rows [lead, S, width] of positions [start, length+T) in order, every position a query of
+        this pass sees (start = max(0, length - window + 1)), in the cache's precision."""
+        import numpy as np
+        ring, W, T = arrays[name], self.window, x.shape[0]
+        start = max(0, length - W + 1)
+        m = length - start
+        rows = np.empty((ring.shape[0], m + T, ring.shape[2]), ring.dtype)    # head-major, as attention reads
+        rows[:, :m] = ring[:, np.arange(start, length) % W]
+        rows[:, m:] = x.transpose(1, 0, 2)
+        keep = min(T, W)            # the last W positions of the pass stay
+        ring[:, np.arange(length + T - keep, length + T) % W] = rows[:, m + T - keep:]
+        return rows, start
+
+    def view(self, arrays: dict, name: str, length: int):
+        """(rows, start): the last min(length, window) positions in order, from position start."""
+        import numpy as np
+        start = max(0, length - self.window)
+        return np.ascontiguousarray(arrays[name][:, np.arange(start, length) % self.window]), start
+
+    def describe(self) -> str:
+        return f"ring of {self.window} ({' + '.join(self.names)}: {self.lead} x {self.width} each)"
 
 
 def layer_kinds(entry) -> tuple:

@@ -16,11 +16,11 @@ import numpy as np
 
 from . import kernels
 from .arch import ArchSpec
-from .cache_kinds import layer_kinds
+from .cache import KVCache
 from .container import Container
 from .errors import ColiError
 from .events import Done, Stats, Token
-from .memory import lazy_array, peak_rss_bytes
+from .memory import peak_rss_bytes
 from .planner import kv_reserved_positions
 from .rope import Rope
 from .sampling import Sampler, SamplingParams
@@ -29,118 +29,6 @@ from .blocks.mlp import expert_ffn  # noqa: F401  (re-exported: tools and tests 
 from .blocks.embed import Embedding, LMHead
 from .store import ExpertStore
 
-
-
-class KVCache:
-    """Keys and values per layer, head-major [kv_heads, capacity, D]: one head's positions are
-    contiguous, which is how attention reads them (position-major put every position of a head
-    on its own page at long contexts).
-
-    The first append reserves core.planner.kv_reserved_positions (4096, or the model's maximum if
-    smaller; what the automatic RAM budget keeps free for it) at once, in
-    an anonymous mapping (core.memory.lazy_array): address space only until positions are
-    written, so RSS grows with the context and a growing array's copies are gone (doubling from
-    64 positions stalled decode for 0.3-0.4 s at 256 and 512 positions of the OLMoE geometry).
-    Past the reservation it doubles.
-
-    ``recycled``: the arrays of a finished cache (``buffers()``) to write over instead: their
-    pages are mapped already (Engine.new_cache). ``dtype``: float32, or the opt-in float16 (half
-    the memory and the reads of attention; keys and values rounded to half precision, so outputs
-    change slightly -- see README)."""
-
-    def __init__(self, spec: ArchSpec, recycled: list[dict] | None = None, dtype=np.float32):
-        self.dtype = np.dtype(dtype)
-        # per layer, the arrays its cache kinds name (core.cache_kinds): growing ones -- k / v for
-        # KV, the latent for MLA, index keys for a sparse-attention indexer; each [lead,
-        # positions, width] -- in ``arrays``, and fixed-size ones -- a linear-attention layer's
-        # conv window and recurrent state, float32, written in place -- in ``state``
-        self.arrays, self.state = [], []
-        # and kinds that keep their own state object (``make()``: DeepSeek V4's ring and
-        # compressors), per layer by kind name: ``cache[i]``
-        self.objects: list[dict] = []
-        for i, entry in enumerate(spec.cache_kinds):
-            parts, fixed, objects = {}, {}, {}
-            for kind in layer_kinds(entry):
-                if hasattr(kind, "make"):
-                    objects[kind.name] = kind.make()
-                elif hasattr(kind, "parts"):
-                    for name, (lead, width) in kind.parts().items():
-                        parts[name] = (lead, width)
-                elif hasattr(kind, "state_parts"):
-                    for name, shape in kind.state_parts().items():
-                        fixed[name] = (tuple(shape), np.dtype(kind.dtype))
-                else:
-                    raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
-            self.arrays.append(parts)
-            self.state.append(fixed)
-            self.objects.append(objects)
-        old = recycled if recycled is not None and len(recycled) == len(self.arrays) else None
-        if old is not None and any(a.dtype != self.dtype for layer, parts in zip(old, self.arrays)
-                                   for name, a in layer.items() if name in parts):
-            old = None           # another precision: nothing to write over
-        for i, (parts, fixed) in enumerate(zip(self.arrays, self.state)):
-            prev = old[i] if old is not None else {}
-            for name, (lead, width) in parts.items():
-                a = prev.get(name)
-                ok = a is not None and a.ndim == 3 and (a.shape[0], a.shape[2]) == (lead, width)
-                parts[name] = a if ok else np.empty((lead, 0, width), self.dtype)
-            for name, (shape, dt) in fixed.items():
-                a = prev.get(name)
-                if a is not None and a.shape == shape and a.dtype == dt:
-                    a.fill(0)            # a new sequence starts from the zero state
-                else:
-                    a = np.zeros(shape, dt)
-                fixed[name] = a
-        self._views()
-        self.length = 0     # positions committed (all layers)
-        # per layer, the positions its fixed state has folded in (== length after a whole pass;
-        # a pass cut short leaves them ahead, and a state layer then refuses to continue)
-        self.folded = [0] * len(self.arrays)
-        self.reserve = kv_reserved_positions(spec)
-
-    def __getitem__(self, layer: int) -> dict:
-        """A layer's state objects by kind name (kinds with ``make()``)."""
-        return self.objects[layer]
-
-    def _views(self) -> None:
-        # attention's keys and values per layer (None where a layer keeps no KV): the compiled
-        # decode block writes into these
-        self.k = [parts.get("k") for parts in self.arrays]
-        self.v = [parts.get("v") for parts in self.arrays]
-
-    def buffers(self) -> list[dict]:
-        """Every array, per layer (growing and fixed): what a new cache writes over (recycled)."""
-        return [{**parts, **fixed} for parts, fixed in zip(self.arrays, self.state)]
-
-    def capacity(self) -> int:
-        """Positions every layer has room for without growing."""
-        return min((a.shape[1] for parts in self.arrays for a in parts.values()), default=0)
-
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k/v [T, kv_heads, D] for positions [length, length+T) and return views
-        [kv_heads, length+T, D] over [0, length+T)."""
-        return self.append_part(layer, "k", k), self.append_part(layer, "v", v)
-
-    def append_part(self, layer: int, name: str, x: np.ndarray) -> np.ndarray:
-        """Store x [T, lead, width] in one of a layer's arrays for positions [length, length+T)
-        and return the view [lead, length+T, width] over [0, length+T)."""
-        n = self.length + x.shape[0]
-        self.ensure(layer, n)
-        store = self.arrays[layer][name]
-        store[:, self.length: n] = x.transpose(1, 0, 2)
-        return store[:, :n]
-
-    def ensure(self, layer: int, n: int) -> None:
-        """Room for n positions in a layer's arrays (growing them, positions kept)."""
-        parts = self.arrays[layer]
-        for name, old in parts.items():
-            if old.shape[1] < n:
-                cap = max(n, 2 * old.shape[1], self.reserve)
-                grown = lazy_array((old.shape[0], cap, old.shape[2]), self.dtype)
-                grown[:, : self.length] = old[:, : self.length]
-                parts[name] = grown
-                if name in ("k", "v"):
-                    (self.k if name == "k" else self.v)[layer] = grown
 
 
 def token_logprobs(logits: np.ndarray, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -510,8 +398,7 @@ class Engine:
             if logits is None:
                 logits = turn["logits"] = self.prefill(ids[cached:], cache)
             if turn.get("checkpoint") is True:
-                from .prefix_cache import state_checkpoint
-                turn["checkpoint"] = state_checkpoint(cache) if cache.length == len(ids) else None
+                turn["checkpoint"] = cache.checkpoint() if cache.length == len(ids) else None
         except _Cancelled:
             logits, reason = None, "cancelled"
             turn["cut"] = True       # a pass stopped inside: only its layers' fixed state saw it

@@ -28,7 +28,7 @@ from .safetensors_io import DTYPES
 
 GB = 1e9
 AUTO_SHARE = 0.75                 # share of the memory left after the model's own needs for the pool
-# Positions of KV cache core.engine.KVCache maps at once (address space only: pages are touched
+# Positions of KV cache core.cache.KVCache maps at once (address space only: pages are touched
 # as positions are written, and it grows past them), and the most the automatic budget reserves
 # when the session's context is not known (the app, the server).
 KV_CONTEXT = 4096

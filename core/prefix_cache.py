@@ -1,19 +1,19 @@
 """Prompt-prefix reuse: the caches of finished generations, kept so that the next prompt which
 starts the same way computes only the positions after the shared prefix.
 
-A cache here is ``core.engine.KVCache``: per layer the arrays its cache kinds name
-(``core.cache_kinds``), each [lead, capacity, width], with ``length`` positions committed. Every
-kind today grows by one row per position and a position's row depends only on the positions
-before it, so the cache of ids[:n] is the first n rows of the cache of ids: truncating is
-``cache.length = n`` (rows past ``length`` are dead and overwritten by the next pass).
+A cache here is ``core.cache.KVCache``: per layer the arrays its cache kinds keep
+(``core.cache_kinds``), with ``length`` positions committed. A growing kind adds one row per
+position and a position's row depends only on the positions before it, so the cache of ids[:n]
+is the first n rows of the cache of ids: truncating is ``cache.length = n`` (rows past
+``length`` are dead and overwritten by the next pass).
 
 A kind that cannot truncate -- a recurrent or conv state, one fixed-size array that the positions
-fold into -- says so with ``truncatable = False`` (``core.cache_kinds``; absent means True;
+fold into, or a sliding window's ring -- says so with ``truncatable = False`` (``core.cache_kinds``;
 ``can_truncate(spec)`` is what the pool asks). A cache with such a layer continues only at a
 point where its state is known: its very end (the prompt extends all of the entry's ids), or
-the turn boundary it checkpointed -- a copy of the fixed-size arrays (``cache.state``) taken when
-its prompt was prefilled (``state_checkpoint``), put back with the growing arrays truncated to
-the same position (``restore_checkpoint``). A chat's next prompt always extends the previous
+the turn boundary it checkpointed -- what its kinds cannot bring back, copied when its prompt
+was prefilled (``KVCache.checkpoint``), put back with the growing arrays truncated to the same
+position (``KVCache.restore``). A chat's next prompt always extends the previous
 prompt, so its turn is reused even when the reply re-tokenizes differently or the template
 drops the reply's thinking from the history.
 
@@ -58,26 +58,6 @@ def cache_parts(cache) -> list[dict]:
     return [{"k": k, "v": v} for k, v in zip(cache.k, cache.v)]
 
 
-def state_checkpoint(cache):
-    """A copy of the cache's fixed-size state (per layer {name: array}), or None when it keeps
-    none: the state as of ``cache.length`` positions."""
-    state = getattr(cache, "state", None)
-    if not state or not any(state):
-        return None
-    return [{name: a.copy() for name, a in layer.items()} for layer in state]
-
-
-def restore_checkpoint(cache, checkpoint, n: int) -> None:
-    """Put a checkpoint taken at n positions back: the state arrays written over in place, the
-    growing arrays truncated to n."""
-    for layer, saved in zip(cache.state, checkpoint):
-        for name, a in saved.items():
-            layer[name][...] = a
-    cache.length = n
-    if hasattr(cache, "folded"):         # the positions each layer's state holds
-        cache.folded = [n] * len(cache.folded)
-
-
 def cache_nbytes(cache) -> int:
     """Bytes of the committed positions (what a saved copy takes; the pool's measure)."""
     n = cache.length
@@ -100,7 +80,7 @@ class Entry:
     cache: object
     prompt_len: int = 0          # its generation's prompt: ids[:prompt_len] ...
     logits: object = None        # ... and the logits [vocab] its last position gave
-    checkpoint: object = None    # ... and the fixed-size state there (state_checkpoint), if any
+    checkpoint: object = None    # ... and the fixed-size state there (KVCache.checkpoint), if any
     used: float = field(default_factory=time.monotonic)
 
 
@@ -157,7 +137,7 @@ class PrefixPool:
         if not self.truncatable:
             self.entries.remove(entry)
             if n < len(entry.ids):
-                restore_checkpoint(entry.cache, entry.checkpoint, n)
+                entry.cache.restore(entry.checkpoint, n)
             return entry.cache, n, logits
         if len(entry.ids) - n > BRANCH_TAIL:
             cache = new_cache()

@@ -19,6 +19,7 @@ import numpy as np
 
 from core import kernels
 from core.arch import ArchSpec, ConfigReader, common_spec
+from core.cache_kinds import _Fixed
 from core.blocks.common import Need, norm_weight
 from core.blocks.mhc import MHC, StreamEmbedding, StreamHead
 from core.blocks.mlp import MoE, SwiGLU
@@ -120,52 +121,68 @@ def rope_tables(r: ConfigReader, rope_dim: int) -> dict[str, Rope]:
                        rope_dim, partial=True) for name, t in tables.items()}
 
 
-# --- cache kinds (belong with core/cache.py's kinds once that lands) --------------------------------
+# --- the compressors' cache kind (to join core/cache_kinds.py when a second family needs it) ----
 @dataclass(frozen=True)
-class Compressed:
-    """A compressor's entries (one of ``dim`` values per ``ratio`` positions), the projected rows of
-    the block not complete yet, and with ``overlap`` (CSA) the last complete block's first-half
-    rows (the next entry's window starts there). Positions folded into entries cannot be dropped."""
+class Compressed(_Fixed):
+    """A compressor's state (arrays in core.cache.KVCache.state, named ``{name}.*``): its entries
+    (one of ``dim`` values per ``ratio`` positions, ``{name}.entries``, doubling as they come),
+    the projected rows of the block not complete yet (``.kv`` / ``.gate``, length % ratio rows)
+    and, with ``overlap`` (CSA), the last complete block's first half (``.prior_kv`` /
+    ``.prior_gate``; the gate -inf before the first block: softmax weight 0). How many entries and
+    pending rows there are follows from the cache's length. Positions folded into entries cannot
+    be dropped (not truncatable); a checkpoint copies the fixed arrays (entries never change)."""
     ratio: int
     dim: int
     overlap: bool
     name: str           # "compressor" | "indexer"
-    truncatable = False
+
+    def state_parts(self):
+        m, d, w = self.ratio, self.dim, self.dim * (2 if self.overlap else 1)
+        parts = {self.name + ".kv": (m, w), self.name + ".gate": (m, w)}
+        if self.overlap:
+            parts.update({self.name + ".prior_kv": (m, d), self.name + ".prior_gate": (m, d)})
+        return parts
 
     def bytes_per_position(self, dtype: str = "float32") -> int:
         return math.ceil(self.dim * 4 / self.ratio)
-
-    def fixed_bytes(self, dtype: str = "float32") -> int:
-        width = self.dim * (2 if self.overlap else 1)
-        return 4 * 2 * ((self.ratio - 1) * width + (self.ratio * self.dim if self.overlap else 0))
 
     def describe(self) -> str:
         what = "indexer keys" if self.name == "indexer" else "compressed entries"
         return f"{what} ({self.dim} per {self.ratio} positions)"
 
-    def make(self) -> "CompressedState":
-        return CompressedState(self.dim * (2 if self.overlap else 1), self.dim)
+    def make(self, dtype, recycled: dict) -> dict:
+        out = super().make(dtype, recycled)
+        if self.overlap:
+            out[self.name + ".prior_gate"].fill(-np.inf)
+        old = recycled.get(self.name + ".entries")      # its rows are dead: the length says how many count
+        out[self.name + ".entries"] = old if old is not None and old.shape[1:] == (self.dim,) else \
+            np.zeros((0, self.dim), np.float32)
+        return out
 
+    def entries(self, arrays: dict, length: int) -> np.ndarray:
+        return arrays[self.name + ".entries"][: length // self.ratio]
 
-class CompressedState:
-    def __init__(self, width: int, dim: int):
-        self.kv, self.gate = np.zeros((0, width), np.float32), np.zeros((0, width), np.float32)
-        self.prior = None               # (kv, gate) [ratio, dim]: the last block's first half (CSA)
-        self._rows, self.count = np.zeros((0, dim), np.float32), 0
+    def pending(self, arrays: dict, length: int) -> tuple[np.ndarray, np.ndarray]:
+        r = length % self.ratio
+        return arrays[self.name + ".kv"][:r], arrays[self.name + ".gate"][:r]
 
-    @property
-    def entries(self) -> np.ndarray:
-        return self._rows[: self.count]
+    def prior(self, arrays: dict) -> tuple[np.ndarray, np.ndarray]:
+        return arrays[self.name + ".prior_kv"], arrays[self.name + ".prior_gate"]
 
-    def add(self, rows: np.ndarray) -> None:
-        """Append entries, the storage doubling when full (no copy of all of them per block)."""
-        n = self.count + len(rows)
-        if n > len(self._rows):
-            grown = np.zeros((max(n, 2 * len(self._rows)), self._rows.shape[1]), np.float32)
-            grown[: self.count] = self.entries
-            self._rows = grown
-        self._rows[self.count: n] = rows
-        self.count = n
+    def commit(self, arrays: dict, length: int, entries: np.ndarray, kv: np.ndarray, gate: np.ndarray,
+               prior=None) -> None:
+        """After a pass from ``length``: the new entries, the rows of the block still open and (CSA)
+        the last complete block's first half."""
+        count, store = length // self.ratio, arrays[self.name + ".entries"]
+        n = count + len(entries)
+        if n > len(store):          # doubling: no copy of every entry per block
+            grown = np.zeros((max(n, 2 * len(store)), self.dim), np.float32)
+            grown[:count] = store[:count]
+            arrays[self.name + ".entries"] = store = grown
+        store[count: n] = entries
+        arrays[self.name + ".kv"][: len(kv)], arrays[self.name + ".gate"][: len(gate)] = kv, gate
+        if prior is not None:
+            arrays[self.name + ".prior_kv"][...], arrays[self.name + ".prior_gate"][...] = prior
 
 
 # --- compressors and the indexer --------------------------------------------------------------------
@@ -203,32 +220,38 @@ class CompressorBlock:
         self.kv, self.gate = c.load(p + "wkv.weight"), c.load(p + "wgate.weight")
         self.bias = kernels.vector(c.load(p + "ape"))
         self.norm = norm_weight(c, p + "norm.weight")
+        self.kind = spec.cache_kind()
 
-    def update(self, h: np.ndarray, st: CompressedState) -> np.ndarray:
-        """Fold the rows of h [T, hidden] into the state; returns every entry so far [N, dim]."""
+    def update(self, h: np.ndarray, cache, i: int) -> np.ndarray:
+        """Fold the rows of h [T, hidden] (positions from cache.length on) into layer i's state;
+        returns every entry so far [N, dim]."""
         s, m, d = self.spec, self.spec.ratio, self.spec.dim
-        kv = np.concatenate([st.kv, kernels.matmul(h, self.kv)])
-        gate = np.concatenate([st.gate, kernels.matmul(h, self.gate)])
+        kind, arrays, length = self.kind, cache.state[i], cache.length
+        old_kv, old_gate = kind.pending(arrays, length)
+        kv = np.concatenate([old_kv, kernels.matmul(h, self.kv)])
+        gate = np.concatenate([old_gate, kernels.matmul(h, self.gate)])
         n = len(kv) // m
-        st.kv, st.gate = kv[n * m:], gate[n * m:]
         if n == 0:
-            return st.entries
+            kind.commit(arrays, length, kv[:0, :d], kv, gate)
+            return kind.entries(arrays, length + len(h))
+        rest_kv, rest_gate = kv[n * m:], gate[n * m:]
         kv, gate = kv[: n * m].reshape(n, m, -1), gate[: n * m].reshape(n, m, -1) + self.bias
+        prior = None
         if s.overlap:        # [block w-1's Ca | block w's Cb]; before the first block: weight 0
-            ca_kv, ca_gate = np.zeros((n, m, d), np.float32), np.full((n, m, d), -np.inf, np.float32)
+            ca_kv, ca_gate = np.empty((n, m, d), np.float32), np.empty((n, m, d), np.float32)
             ca_kv[1:], ca_gate[1:] = kv[:-1, :, :d], gate[:-1, :, :d]
-            if st.prior is not None:
-                ca_kv[0], ca_gate[0] = st.prior
-            st.prior = (kv[-1, :, :d].copy(), gate[-1, :, :d].copy())
+            ca_kv[0], ca_gate[0] = kind.prior(arrays)
+            prior = (kv[-1, :, :d], gate[-1, :, :d])
             kv = np.concatenate([ca_kv, kv[:, :, d:]], axis=1)
             gate = np.concatenate([ca_gate, gate[:, :, d:]], axis=1)
         w = np.exp(gate - gate.max(axis=1, keepdims=True))
         w /= w.sum(axis=1, keepdims=True)
         entries = kernels.rms_norm((kv * w).sum(axis=1, dtype=np.float32), self.norm, self.eps)
-        cos, sin = pair_tables(*s.rope.cos_sin(st.count * m + m * np.arange(n)))
+        first = (length // m) * m
+        cos, sin = pair_tables(*s.rope.cos_sin(first + m * np.arange(n)))
         entries = rope_pairs_tail(entries[:, None, :], cos, sin)[:, 0]
-        st.add(entries)
-        return st.entries
+        kind.commit(arrays, length, entries, rest_kv, rest_gate, prior)
+        return kind.entries(arrays, length + len(h))
 
 
 def visible(pos: np.ndarray, n: int, ratio: int) -> np.ndarray:
@@ -262,10 +285,10 @@ class IndexerBlock:
         self.spec, self.compressor = spec, spec.compressor.build(c, p + "compressor.", eps)
         self.q_b, self.weights = c.load(p + "wq_b.weight"), c.load(p + "weights_proj.weight")
 
-    def select(self, h, q_res, pos, st: CompressedState, cos, sin) -> np.ndarray:
+    def select(self, h, q_res, pos, cache, i: int, cos, sin) -> np.ndarray:
         """[T, N] bool: the entries each query attends to."""
         s, d = self.spec, self.spec.compressor.dim
-        keys = self.compressor.update(h, st)
+        keys = self.compressor.update(h, cache, i)
         q = rope_pairs_tail(kernels.matmul(q_res, self.q_b).reshape(len(h), s.heads, d), cos, sin)
         scores = np.maximum(np.einsum("thd,nd->thn", q, keys, dtype=np.float32), 0) * np.float32(d ** -0.5)
         w = kernels.matmul(h, self.weights) * np.float32(s.heads ** -0.5)
@@ -303,11 +326,11 @@ class CompressedKeysBlock:
         self.ratio = spec.compressor.ratio
 
     def __call__(self, i: int, h, q_res, step) -> tuple[np.ndarray, np.ndarray]:
-        entries = self.compressor.update(h, step.cache[i]["compressor"])
+        entries = self.compressor.update(h, step.cache, i)
         if self.indexer is None:
             return entries, visible(step.pos, len(entries), self.ratio)
         cos, sin = pair_tables(*step.rope("compress"))
-        chosen = self.indexer.select(h, q_res, step.pos, step.cache[i]["indexer"], cos, sin)
+        chosen = self.indexer.select(h, q_res, step.pos, step.cache, i, cos, sin)
         cols = np.flatnonzero(chosen.any(axis=0))    # only what some query attends to (decode: <= topk)
         return entries[cols], chosen[:, cols]
 

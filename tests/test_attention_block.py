@@ -17,7 +17,7 @@ from core import kernels, quant
 from core.arch import ArchSpec
 from core.container import Weight
 from core.blocks.attention import GQA, GQAAttention
-from core.engine import KVCache
+from core.cache import KVCache
 from core.rope import Rope
 from core.step import Step
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from core.cache_kinds import KV, bytes_per_position, fixed_bytes
+from core.cache_kinds import KV, bytes_per_position, describe, fixed_bytes
 from core.errors import ColiError
 
 
@@ -61,7 +61,7 @@ def test_the_planner_reserves_what_the_kinds_declare(containers):
 
 def test_the_engine_refuses_a_kind_it_does_not_run():
     from core.arch import ArchSpec
-    from core.engine import KVCache
+    from core.cache import KVCache
     spec = ArchSpec(vocab_size=8, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
                     rms_norm_eps=1e-6, mlp_kinds=["moe"] * 2, num_experts=2, top_k=1,
                     norm_topk_prob=False, cache_kinds=[KV(1, 4), FixedState(8)])
@@ -93,3 +93,51 @@ def test_coli_plan_states_the_bytes_per_position_of_each_kind(containers, capsys
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("per position"))
     assert f"{per_position:,} bytes" in line and f"latent ({rank} + {rope} rope)" in line and "index keys" in line
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_ring_keeps_the_last_window_positions_and_attends_as_the_growing_cache(dtype):
+    """A sliding window's ring (core.cache_kinds.Ring): passes of any length give the rows of the
+    positions each query sees, in order and in the cache's precision, and attention over them
+    with shifted positions is attention over a growing cache with the window (decode: the same
+    bits); its bytes do not
+    grow with the context; it cannot truncate, and its checkpoint puts it back."""
+    import numpy as np
+    from core import kernels
+    from core.arch import ArchSpec
+    from core.cache import KVCache
+    from core.cache_kinds import Ring
+    W, heads, D = 5, 2, 8
+    ring = Ring(heads, D, W)
+    spec = ArchSpec(vocab_size=8, hidden_size=8, num_layers=2, num_heads=heads, num_kv_heads=heads, head_dim=D,
+                    rms_norm_eps=1e-6, mlp_kinds=["moe"] * 2, num_experts=2, top_k=1, norm_topk_prob=False,
+                    cache_kinds=[ring, KV(heads, D)])
+    assert ring.bytes_per_position(dtype) == 0 and ring.fixed_bytes(dtype) == 2 * heads * W * D * np.dtype(dtype).itemsize
+    assert "ring of 5" in describe(spec.cache_kinds, dtype)
+    cache = KVCache(spec, dtype=dtype)
+    assert not cache.truncatable and cache.state[0]["k"].shape == (heads, W, D)
+    rng = np.random.default_rng(0)
+    scale = np.float32(D ** -0.5)
+    for T in (3, 1, 7, 1, 1, 4):          # a prompt, decode steps, a pass longer than the window
+        k, v, q = (rng.standard_normal((T, heads, D)).astype(np.float32) for _ in range(3))
+        pos = np.arange(cache.length, cache.length + T)
+        (rk, start), (rv, _) = cache.append_part(0, "k", k), cache.append_part(0, "v", v)
+        gk, gv = cache.append(1, k, v)
+        assert start == max(0, cache.length - W + 1) and rk.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(rk, gk[:, start:])
+        np.testing.assert_array_equal(rv, gv[:, start:])
+        got = kernels.attention(q, rk.astype(np.float32), rv.astype(np.float32), scale, pos - start, W)
+        want = kernels.attention(q, gk.astype(np.float32), gv.astype(np.float32), scale, pos, W)
+        if T == 1:      # the one-row kernel reads the same rows: the same bits
+            np.testing.assert_array_equal(got, want)
+        else:           # numpy's products over fewer masked columns: float32 rounding
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        cache.length += T
+        assert cache.folded[0] == cache.length
+        held, first = ring.view(cache.state[0], "k", cache.length)
+        np.testing.assert_array_equal(held, cache.k[1][:, first: cache.length])
+        assert held.shape[1] == min(cache.length, W)
+    saved, n = cache.checkpoint(), cache.length
+    cache.append_part(0, "k", np.ones((2, heads, D), np.float32))
+    cache.restore(saved, n)
+    np.testing.assert_array_equal(ring.view(cache.state[0], "k", n)[0], cache.k[1][:, n - W: n])

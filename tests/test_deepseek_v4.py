@@ -201,7 +201,7 @@ def test_cache_kinds_of_the_flash_geometry():
     config = dict(model_type="deepseek_v4", num_hidden_layers=4, compress_ratios=[0, 0, 4, 128, 4])
     kinds = DeepseekV4.spec(config).cache_kinds
     ring, (_, csa, index), (_, hca) = kinds[0][0], kinds[2], kinds[3]
-    assert ring.fixed_bytes() == 127 * (512 * 4 + 8) and ring.bytes_per_position() == 0
+    assert ring.fixed_bytes() == 128 * 512 * 4 and ring.bytes_per_position() == 0
     assert (csa.bytes_per_position(), index.bytes_per_position(), hca.bytes_per_position()) == (512, 128, 16)
     assert "compressed entries (512 per 4 positions) + indexer keys (128 per 4 positions)" in describe(kinds)
 
@@ -242,3 +242,29 @@ def test_bits4_against_transformers_on_the_dequantized_weights(case, tmp_path):
     got = open_model(out, threads=1).logits(ids)
     assert (got.argmax(-1) == ref.argmax(-1)).sum() >= T - 1
     assert np.abs(got - ref).max() <= 1e-3
+
+
+def test_prefix_reuse_continues_at_the_checkpoint_or_the_end(case):
+    """The ring and compressors cannot truncate: a chat's next prompt continues the cache from the
+    checkpoint taken at the last prompt's end (partial blocks and overlap restored) or from its
+    very end, and the replies are a fresh run's."""
+    from core.events import Token
+    from core.sampling import SamplingParams
+    out, ids, _, _, _ = case
+    engine, fresh = open_model(out, threads=1), open_model(out, threads=1)
+    engine.usage_file = fresh.usage_file = None
+    fresh.prefix_cache = False
+    assert not engine.prefixes.truncatable
+
+    def turn(e, prompt):
+        evs = list(e.generate(list(map(int, prompt)), SamplingParams(temperature=0.0), max_new_tokens=3))
+        return [ev.id for ev in evs if isinstance(ev, Token) and ev.id >= 0], evs[-2]
+
+    p1 = ids[:10]
+    r1, _ = turn(engine, p1)
+    p2 = list(p1) + [(t + 1) % 64 for t in r1] + list(ids[10:19])      # branches after the prompt
+    r2, stats = turn(engine, p2)
+    assert stats.cached_tokens == 10 and r2 == turn(fresh, p2)[0]
+    p3 = p2 + r2[:-1] + list(ids[19:25])                                 # extends the whole entry
+    r3, stats = turn(engine, p3)
+    assert stats.cached_tokens == len(p2) + len(r2) - 1 and r3 == turn(fresh, p3)[0]

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from core.engine import KVCache
+from core.cache import KVCache
 from core.sampling import SamplingParams
 from models import default_model, open_model
 from tests.conftest import ROOT

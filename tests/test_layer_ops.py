@@ -11,7 +11,7 @@ import pytest
 
 from core import kernels
 from core.cache_kinds import KV
-from core.engine import KVCache
+from core.cache import KVCache
 from core.rope import Rope
 from tests.conftest import run_emulated
 

@@ -93,7 +93,7 @@ def test_a_prompt_in_chunks_or_decoded_gives_the_bits_of_one_pass(cuts):
 
 @pytest.mark.parametrize("name", ["qwen35moe-a", "qwen35moe-b"])
 def test_the_engine_gives_the_same_bits_with_the_block_or_the_steps(name, containers):
-    from core.engine import KVCache  # noqa: F401  (the engine's cache, through new_cache)
+    from core.cache import KVCache  # noqa: F401  (the engine's cache, through new_cache)
     from models import open_model
     from tests.conftest import COMMITTED
     ids = np.load(COMMITTED / name / "reference.npz")["ids"].tolist()

@@ -8,6 +8,7 @@ caches, 1/2/3 threads, q-LoRA and plain q, biases, odd sizes, a context long eno
 work, the opt-in int8 activations, and GLM-5's DSA layers (dense while every position is chosen)."""
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from core import kernels, quant
 from core.blocks.mla import MLA, Indexer, MLAAttention
 from core.container import Weight
-from core.engine import KVCache
+from core.cache import KVCache
 from core.rope import Rope
 from core.step import Step
 
@@ -137,8 +138,7 @@ def _cache(spec: MLA, n: int, rng, dtype):
 
 
 def _copy(cache):
-    other = KVCache.__new__(KVCache)
-    other.dtype, other.reserve, other.length = cache.dtype, cache.reserve, cache.length
+    other = copy.copy(cache)
     other.arrays = [{k: a.copy() for k, a in parts.items()} for parts in cache.arrays]
     other._views()
     return other

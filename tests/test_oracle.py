@@ -14,7 +14,7 @@ import pytest
 
 from colibri_tui.cli import main as coli
 from core import kernels
-from core.engine import KVCache
+from core.cache import KVCache
 from models import open_model
 from tests.conftest import oracle_names as _names
 

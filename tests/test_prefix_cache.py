@@ -360,31 +360,33 @@ def test_a_state_that_cannot_truncate_continues_at_its_end_or_its_checkpoint(fix
 
 
 def test_checkpoints_put_the_state_back_with_the_rows():
-    """The pool's checkpoint path on a stand-in cache (one growing array, one fixed state)."""
-    from core.prefix_cache import PrefixPool, restore_checkpoint, state_checkpoint
+    """The pool's checkpoint path on a cache of one layer with a growing array and a fixed state
+    (the kinds checkpoint and restore themselves: core.cache_kinds)."""
+    from core.arch import ArchSpec
+    from core.cache import KVCache
+    from core.cache_kinds import KV, Recurrent
+    from core.prefix_cache import PrefixPool
+    spec = ArchSpec(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2,
+                    rms_norm_eps=1e-6, mlp_kinds=["moe"], num_experts=2, top_k=1, norm_topk_prob=False,
+                    cache_kinds=[(KV(1, 2), Recurrent(1, 1, 3))])
 
-    class Cache:
-        def __init__(self):
-            self.arrays = [{"k": np.zeros((1, 16, 2), np.float32)}]
-            self.state = [{"s": np.zeros(3, np.float32)}]
-            self.length, self.folded = 0, [0]
+    def feed(c, ids):                      # rows = ids, the state sums them
+        for t in ids:
+            c.append(0, np.full((1, 1, 2), t, np.float32), np.zeros((1, 1, 2), np.float32))
+            c.state[0]["recurrent"] += t
+            c.length += 1
+        c.folded = [c.length]
 
-        def feed(self, ids):                       # rows = ids, the state sums them
-            for t in ids:
-                self.arrays[0]["k"][0, self.length] = t
-                self.state[0]["s"] += t
-                self.length += 1
-            self.folded = [self.length]
-
-    assert state_checkpoint(type("C", (), {"state": [{}]})()) is None
-    c = Cache()
-    c.feed([1, 2, 3])
-    ck = state_checkpoint(c)
-    c.feed([4, 5])
+    c = KVCache(spec)
+    assert not c.truncatable
+    feed(c, [1, 2, 3])
+    ck = c.checkpoint()
+    feed(c, [4, 5])
     pool = PrefixPool(1 << 30, truncatable=False)
     pool.put([1, 2, 3, 4, 5], c, prompt_len=3, logits=np.zeros(4), checkpoint=ck)
-    got, n, logits = pool.take([1, 2, 3, 9, 9], Cache)
+    got, n, logits = pool.take([1, 2, 3, 9, 9], lambda: KVCache(spec))
     assert got is c and n == 3 and logits is None
-    assert c.length == 3 and c.folded == [3] and c.state[0]["s"].tolist() == [6, 6, 6]
-    restore_checkpoint(c, ck, 3)
-    assert ck[0]["s"] is not c.state[0]["s"]     # a copy: the next turn writes the live state
+    assert c.length == 3 and c.folded == [3] and c.state[0]["recurrent"].ravel().tolist() == [6, 6, 6]
+    assert c.k[0][0, :3, 0].tolist() == [1, 2, 3]
+    assert ck[0]["recurrent"] is not c.state[0]["recurrent"]     # a copy: the next turn writes the live state
+    assert KVCache(ArchSpec(**{**vars(spec), "cache_kinds": [KV(1, 2)]})).checkpoint() is None

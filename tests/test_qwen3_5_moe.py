@@ -18,7 +18,7 @@ import pytest
 from core.blocks.linear_attention import (GatedDeltaNet, causal_conv, delta_rule, gated_rms_norm, l2norm,
                                           softplus)
 from core.cache_kinds import KV, Conv, Recurrent, bytes_per_position, fixed_bytes
-from core.engine import KVCache
+from core.cache import KVCache
 from core.errors import ColiError
 from models import family_for, open_model
 from tests.conftest import COMMITTED, attention_one_row_at_a_time, decode_and_prefill

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from core import kernels
-from core.engine import KVCache
+from core.cache import KVCache
 from core.errors import ColiError
 from models import open_model
 from tests.conftest import oracle_names

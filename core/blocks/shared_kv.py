@@ -2,7 +2,7 @@
 key head that is also the value (K = V = norm(kv_proj x)), queries from a low-rank q
 (q_a -> weighted norm -> q_b -> unweighted norm per head), interleaved RoPE (pairs -> pairs) on
 the *last* rope dims of q and kv, a per-head learned sink in the softmax, a sliding window over
-a ring of the last ``window - 1`` keys, the rope slice of the output rotated back at the query's
+a ring of the last keys (core.cache_kinds.Ring), the rope slice of the output rotated back at the query's
 position (V was rotated with K), and a grouped low-rank output projection (``o_a`` per group of
 heads, then ``o_b``). ``extra``: a block that adds keys the window does not hold (DeepSeek V4's
 compressed entries) with the rows each query may see. float32 numpy (no compiled path yet)."""
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
+from ..cache_kinds import Ring
 from .common import Need, norm_weight
 from .linear_attention import check_folded
 from .mhc import unweighted_rms_norm
@@ -55,44 +56,6 @@ def attend_with_sinks(q: np.ndarray, keys: np.ndarray, allowed: np.ndarray, sink
 
 
 @dataclass(frozen=True)
-class Ring:
-    """Cache kind: a sliding window's keys (K = V, ``dim`` values each), the last ``window - 1``
-    positions (the position being computed completes the window), as transformers'
-    DynamicSlidingWindowLayer. Fixed size; folded positions cannot be dropped.
-    (Belongs with core/cache.py's kinds once that lands.)"""
-    window: int
-    dim: int
-    name = "ring"
-    truncatable = False
-
-    def bytes_per_position(self, dtype: str = "float32") -> int:
-        return 0
-
-    def fixed_bytes(self, dtype: str = "float32") -> int:
-        return max(self.window - 1, 0) * (self.dim * np.dtype(dtype).itemsize + 8)
-
-    def describe(self) -> str:
-        return f"ring of {self.window - 1} keys ({self.dim})"
-
-    def make(self) -> "RingState":
-        return RingState(self.window, self.dim)
-
-
-class RingState:
-    def __init__(self, window: int, dim: int):
-        self.window, self.keys, self.pos = window, np.zeros((0, dim), np.float32), np.zeros(0, np.int64)
-
-    def append(self, kv: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Add rows kv [T, dim] at positions pos; returns (keys, allowed [T, S]) for those rows:
-        the kept rows and the new ones, each query seeing its own window."""
-        keys, kpos = np.concatenate([self.keys, kv]), np.concatenate([self.pos, pos])
-        drop = max(len(keys) - (self.window - 1), 0)
-        self.keys, self.pos = keys[drop:], kpos[drop:]
-        allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
-        return keys, allowed
-
-
-@dataclass(frozen=True)
 class SharedKV:
     hidden: int
     heads: int
@@ -108,7 +71,9 @@ class SharedKV:
     extra: object = None
 
     def cache_kind(self):
-        return (Ring(self.window, self.head_dim),) + (tuple(self.extra.cache_kinds()) if self.extra else ())
+        """The window's shared keys (core.cache_kinds.Ring, one ``kv`` row per position), then what
+        ``extra`` keeps."""
+        return (Ring(1, self.head_dim, self.window, ("kv",)),) + (tuple(self.extra.cache_kinds()) if self.extra else ())
 
     def tensors(self, p: str) -> list[Need]:
         """DeepSeek's names (what transformers' save_pretrained writes): wq_a, q_norm (of the q
@@ -146,7 +111,10 @@ class SharedKVAttention:
         kv = rope_pairs_tail(kv[:, None, :], cos, sin)[:, 0]
         cache = step.cache
         check_folded(i, cache.folded, cache)        # the ring and compressors fold positions in
-        keys, allowed = cache[i]["ring"].append(kv, step.pos)
+        rows, start = cache.append_part(i, "kv", kv[:, None, :])
+        keys = np.asarray(rows[0], dtype=np.float32)
+        kpos = start + np.arange(len(keys))
+        allowed = (kpos[None, :] <= step.pos[:, None]) & (kpos[None, :] > step.pos[:, None] - s.window)
         if self.extra is not None:
             more, sees = self.extra(i, h, q_res, step)
             keys, allowed = np.concatenate([keys, more]), np.concatenate([allowed, sees], axis=1)

@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from core.engine import KVCache
+from core.cache import KVCache
 from core.replay import replay
 from core.routing import summary
 from core.trace import TraceWriter, read_trace
