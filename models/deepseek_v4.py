@@ -93,7 +93,7 @@ def mlp_kinds(r: ConfigReader, n: int) -> list[str]:
     return list(kinds[:n])
 
 
-def rope_tables(r: ConfigReader, rope_dim: int) -> dict[str, Rope]:
+def rope_tables(r: ConfigReader, rope_dim: int, head_dim: int) -> dict[str, Rope]:
     """The "main" and "compress" rotary tables over the rope dims: nested as transformers saves them, or built
     from ``rope_theta`` (main, plain) and ``compress_rope_theta`` with the flat ``rope_parameters``
     / ``rope_scaling`` (compress; yarn there multiplies cos / sin by nothing: attention_factor 1)."""
@@ -110,7 +110,10 @@ def rope_tables(r: ConfigReader, rope_dim: int) -> dict[str, Rope]:
         if compress["rope_type"] == "yarn":
             compress.setdefault("attention_factor", 1.0)
         tables = {"main": {"rope_type": "default", "rope_theta": r.number("rope_theta")}, "compress": compress}
-    for table in tables.values():
+    for name, table in tables.items():
+        prf = table.get("partial_rotary_factor")      # transformers sizes each table by its own
+        r.refuse(isinstance(prf, (int, float)) and int(head_dim * prf) != rope_dim,
+                 f"a {name} rotary table over {prf} of the head while queries turn {rope_dim} dims")
         table.setdefault("rope_type", table.get("type", "default"))
         table.setdefault("rope_theta", r.get("rope_theta"))
         table.pop("truncate", None)      # transformers reads it from the top level, where V4 has none
@@ -427,7 +430,7 @@ class DeepseekV4:
         r.refuse(not 0 < rope_dim <= D or rope_dim % 2, f"a rope dimension of {rope_dim} in a head of {D}")
         heads, G = spec.num_heads, r.positive_int("o_groups")
         r.refuse((heads * D) % G != 0, f"o_groups {G} not dividing {heads} x {D}")
-        tables = rope_tables(r, rope_dim)
+        tables = rope_tables(r, rope_dim, D)
         compress = tables["compress"]
         limit = r.number("swiglu_limit")
         I, E, k = r.positive_int("moe_intermediate_size"), spec.num_experts, spec.top_k
@@ -458,7 +461,7 @@ class DeepseekV4:
         spec.num_kv_heads, spec.rope_dim, spec.rope_partial = 1, rope_dim, True
         spec.expert_intermediate, spec.expert_parts = I, W123
         n_hc = layers[0].n if layers else r.positive_int("hc_mult")
-        spec.embedding = StreamEmbedding(spec.vocab_size, H, n_hc)
+        spec.embedding = StreamEmbedding(spec.vocab_size, H, spec.tie_word_embeddings, n_hc)
         spec.head = StreamHead(spec.vocab_size, H, n_hc, r.number("hc_eps"), spec.tie_word_embeddings, "head.weight")
         spec.rope_tables = tables
         return spec

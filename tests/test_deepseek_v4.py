@@ -148,6 +148,8 @@ def test_an_unfinished_pass_refuses_to_continue(case):
     ("mlp_bias", True, "mlp_bias"),
     ("layer_types", ["sliding_attention", "full_attention"], "layer_types must list"),
     ("hidden_act", "gelu", "hidden_act"),
+    ("rope_parameters", {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                         "compress": {"rope_type": "default", "rope_theta": 1e4}}, "main rotary table over 0.25"),
 ])
 def test_refuses_what_it_does_not_run(field, value, words):
     config = tiny_config(num_hidden_layers=2, layer_types=None, mlp_layer_types=None).to_dict()

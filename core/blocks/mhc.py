@@ -14,6 +14,7 @@ import numpy as np
 from .. import kernels
 from ..errors import ColiError
 from .common import Need, norm_weight
+from .embed import Embedding, EmbeddingBlock
 
 
 def unweighted_rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
@@ -136,28 +137,21 @@ def expand(h: np.ndarray, n: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class StreamEmbedding:
-    """The token embedding ``{prefix}embed_tokens.weight`` [vocab, hidden], copied into ``n``
-    streams (the engine's ``embed(ids, step)``)."""
-    vocab: int
-    hidden: int
-    n: int
-
-    def tensors(self, p: str) -> list[Need]:
-        return [Need(p + "embed_tokens.weight", (self.vocab, self.hidden))]
+class StreamEmbedding(Embedding):
+    """The token embedding (core.blocks.embed.Embedding) copied into ``n`` streams."""
+    n: int = 1
 
     def build(self, c, p: str) -> "StreamEmbeddingBlock":
         return StreamEmbeddingBlock(self, c, p)
 
 
-class StreamEmbeddingBlock:
+class StreamEmbeddingBlock(EmbeddingBlock):
     def __init__(self, decl: StreamEmbedding, c, p: str):
-        self.weight, self.n = c.load(p + "embed_tokens.weight"), decl.n
-        if self.weight.shape[0] != decl.vocab:
-            raise ColiError(f"embedding has {self.weight.shape[0]} rows but vocab_size is {decl.vocab}")
+        super().__init__(decl, c, p)
+        self.n = decl.n
 
     def __call__(self, ids: np.ndarray, step) -> np.ndarray:
-        return expand(kernels.rows(self.weight, ids), self.n)
+        return expand(super().__call__(ids, step), self.n)
 
 
 @dataclass(frozen=True)
