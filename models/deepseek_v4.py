@@ -293,9 +293,12 @@ class IndexerBlock:
         s, d = self.spec, self.spec.compressor.dim
         keys = self.compressor.update(h, cache, i)
         q = rope_pairs_tail(kernels.matmul(q_res, self.q_b).reshape(len(h), s.heads, d), cos, sin)
-        scores = np.maximum(np.einsum("thd,nd->thn", q, keys, dtype=np.float32), 0) * np.float32(d ** -0.5)
         w = kernels.matmul(h, self.weights) * np.float32(s.heads ** -0.5)
-        score = np.einsum("thn,th->tn", scores, w, dtype=np.float32)
+        score = np.empty((len(h), len(keys)), np.float32)
+        B = kernels.ATTENTION_QUERY_BLOCK
+        for t in range(0, len(h), B):      # bounded: [block, heads, N] at a time
+            heads = np.maximum(np.einsum("thd,nd->thn", q[t: t + B], keys, dtype=np.float32), 0)
+            score[t: t + B] = np.einsum("thn,th->tn", heads * np.float32(d ** -0.5), w[t: t + B], dtype=np.float32)
         seen = visible(pos, len(keys), s.compressor.ratio)
         score = np.where(seen, score, -np.inf)
         top = np.argsort(-score, axis=1, kind="stable")[:, : s.topk]

@@ -59,12 +59,12 @@ def randomize(m, seed):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def reference(cfg, seed, path, decode=True):
+def reference(cfg, seed, path, decode=True, length=T):
     """transformers' prefill and (decode) decode logits of a random model, saved at path."""
     torch.manual_seed(seed)
     m = transformers.DeepseekV4ForCausalLM(cfg).eval()
     randomize(m, seed)
-    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed + 1))
+    ids = torch.randint(0, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed + 1))
     clamped = []
     experts = type(m.model.layers[0].mlp.experts)
     gate = experts._apply_gate
@@ -80,7 +80,7 @@ def reference(cfg, seed, path, decode=True):
             full = m(ids).logits[0].numpy()
             cache = transformers.DynamicCache(config=cfg)
             steps = np.stack([m(ids[:, t: t + 1], cache=cache, use_cache=True).logits[0, 0].numpy()
-                              for t in range(T)]) if decode else None
+                              for t in range(length)]) if decode else None
     finally:
         experts._apply_gate = gate
         torch.set_num_threads(threads)
@@ -270,3 +270,15 @@ def test_prefix_reuse_continues_at_the_checkpoint_or_the_end(case):
     p3 = p2 + r2[:-1] + list(ids[19:25])                                 # extends the whole entry
     r3, stats = turn(engine, p3)
     assert stats.cached_tokens == len(p2) + len(r2) - 1 and r3 == turn(fresh, p3)[0]
+
+
+def test_a_prompt_longer_than_a_query_block(tmp_path):
+    """300 positions: attention and the indexer in blocks of query rows (256), dozens of entries."""
+    from core import kernels
+    cfg = tiny_config(max_position_embeddings=512, num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"],
+                      layer_types=["compressed_sparse_attention", "heavily_compressed_attention"])
+    ids, full, _ = reference(cfg, 4, tmp_path / "src", decode=False, length=300)
+    assert len(ids) > kernels.ATTENTION_QUERY_BLOCK
+    convert(tmp_path / "src", tmp_path / "c16", bits=16, validate_config=validate_config)
+    got = open_model(tmp_path / "c16", threads=1).logits(ids)
+    assert np.abs(got - full).max() <= 1e-4
