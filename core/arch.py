@@ -57,8 +57,8 @@ class ArchSpec:
     # gate_proj / up_proj / down_proj. The converter records them in the manifest
     # (``expert_parts``), and the container hands the store each expert keyed by role
     expert_parts: tuple[str, str, str] | None = None
-    # rotary tables beyond "main" (built by the engine from the fields above), by name: each has
-    # cos_sin(positions) (core.rope.Rope); blocks ask a pass for one by name (core.step.Step.rope)
+    # rotary tables by name, each with cos_sin(positions) (core.rope.Rope); blocks ask a pass for
+    # one by name (core.step.Step.rope). "main", unless given here, is built from the fields above
     rope_tables: dict = field(default_factory=dict)
     # the ends (core.blocks.embed's Embedding / LMHead, or a family's own); None: from the fields above
     embedding: object = None

@@ -38,15 +38,24 @@ class KVCache:
                 if not hasattr(kind, "make"):
                     raise ColiError(f"layer {i} keeps a {kind.name} cache, which this engine does not run")
         old = recycled if recycled is not None and len(recycled) == len(self.kinds) else None
-        self.arrays, self.state = [], []
+        # per layer: what each kind made, by kind name (``cache[i][kind.name]``); and, merged by
+        # array name, the growing arrays (``arrays``) and the fixed-size ones (``state``) of the
+        # kinds that keep named arrays (parts / state_parts: every kind here so far) -- what
+        # attention, prefix reuse and saved sessions read
+        self.layers, self.arrays, self.state = [], [], []
         self._owner: list[dict] = []     # per layer, array name -> its kind
         for i, kinds in enumerate(self.kinds):
             prev = old[i] if old is not None else {}
-            parts, fixed, owner = {}, {}, {}
+            kept, parts, fixed, owner = {}, {}, {}, {}
             for kind in kinds:
-                made = kind.make(self.dtype, prev)
-                (parts if kind.growing else fixed).update(made)
-                owner.update(dict.fromkeys(made, kind))
+                made = kept[kind.name] = kind.make(self.dtype, prev)
+                if _keeps_arrays(kind):
+                    (parts if kind.growing else fixed).update(made)
+                    owner.update(dict.fromkeys(made, kind))
+            objects = {k.name for k in kinds if not _keeps_arrays(k)}     # checkpointed by kind name
+            if len(kept) != len(kinds) or objects & set(owner):
+                raise ColiError(f"layer {i}: its cache kinds' names collide ({', '.join(k.name for k in kinds)})")
+            self.layers.append(kept)
             self.arrays.append(parts)
             self.state.append(fixed)
             self._owner.append(owner)
@@ -56,6 +65,16 @@ class KVCache:
         # a pass cut short leaves them ahead, and a state layer then refuses to continue)
         self.folded = [0] * len(self.arrays)
         self.reserve = kv_reserved_positions(spec)
+
+    def __getitem__(self, layer: int) -> dict:
+        """What layer's kinds keep, by kind name (a kind of named arrays: {name: array})."""
+        return self.layers[layer]
+
+    @property
+    def savable(self) -> bool:
+        """Every kind keeps named arrays (what core.sessions writes); a kind keeping an object of
+        its own (a compressor's state) is not saved."""
+        return all(_keeps_arrays(k) for kinds in self.kinds for k in kinds)
 
     @property
     def truncatable(self) -> bool:
@@ -69,8 +88,9 @@ class KVCache:
         self.v = [parts.get("v") for parts in self.arrays]
 
     def buffers(self) -> list[dict]:
-        """Every array, per layer (growing and fixed): what a new cache writes over (recycled)."""
-        return [{**parts, **fixed} for parts, fixed in zip(self.arrays, self.state)]
+        """Every array, per layer (growing and fixed, by name), and what the other kinds keep (by
+        kind name): what a new cache writes over (recycled)."""
+        return [{**kept, **parts, **fixed} for kept, parts, fixed in zip(self.layers, self.arrays, self.state)]
 
     def capacity(self) -> int:
         """Positions every layer has room for without growing."""
@@ -98,7 +118,9 @@ class KVCache:
         if any(a.shape[1] < n for a in parts.values()):
             for kind in self.kinds[layer]:
                 if kind.growing:
-                    kind.ensure(parts, n, self.length, self.reserve)
+                    made = self.layers[layer][kind.name]
+                    kind.ensure(made, n, self.length, self.reserve)
+                    parts.update(made)
             self.k[layer], self.v[layer] = parts.get("k"), parts.get("v")
 
     def checkpoint(self) -> list[dict] | None:
@@ -106,14 +128,28 @@ class KVCache:
         fixed-size arrays), or None when every kind can truncate."""
         if self.truncatable:
             return None
-        return [{name: a for kind in kinds for name, a in kind.checkpoint(fixed).items()}
-                for kinds, fixed in zip(self.kinds, self.state)]
+        out = []
+        for kinds, kept in zip(self.kinds, self.layers):
+            layer = {}
+            for kind in kinds:
+                saved = kind.checkpoint(kept[kind.name])
+                if _keeps_arrays(kind):
+                    layer.update(saved)          # by array name, as core.sessions writes them
+                else:
+                    layer[kind.name] = saved
+            out.append(layer)
+        return out
 
     def restore(self, saved: list[dict], n: int) -> None:
         """Put a checkpoint taken at n positions back: the fixed-size arrays written over in
         place, the growing ones truncated to n."""
-        for kinds, fixed, layer in zip(self.kinds, self.state, saved):
+        for kinds, kept, layer in zip(self.kinds, self.layers, saved):
             for kind in kinds:
-                kind.restore(fixed, layer)
+                kind.restore(kept[kind.name], layer if _keeps_arrays(kind) else layer[kind.name])
         self.length = n
         self.folded = [n] * len(self.folded)
+
+
+def _keeps_arrays(kind) -> bool:
+    """A kind of named arrays (growing ``parts`` or fixed ``state_parts``); others keep an object."""
+    return hasattr(kind, "parts") or hasattr(kind, "state_parts")

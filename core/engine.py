@@ -74,8 +74,8 @@ class Engine:
         for i, layer in enumerate(self.layers):
             if layer.kind == "moe" and not all(self.store.has(i, e) for e in range(spec.num_experts)):
                 raise ColiError(f"layer {i}: the container lacks some of its {spec.num_experts} experts")
-        # the named rotary tables a pass offers its blocks (Step.rope): the family's, and "main"
-        # from the spec's fields unless the family built it (DeepSeek V4's nested parameters)
+        # the named rotary tables a pass offers its blocks (Step.rope): those the family declares,
+        # and "main" from the spec's fields unless it declares that one too
         self.rope_tables = dict(spec.rope_tables)
         if "main" not in self.rope_tables:
             self.rope_tables["main"] = Rope(spec.text_config or c.config, spec.rope_dim or spec.head_dim,

@@ -172,6 +172,9 @@ class SessionStore:
         if entry is None or not entry.ids:
             return None
         cache, n = entry.cache, entry.cache.length
+        if not getattr(cache, "savable", True):      # a kind keeps an object of its own (core.cache)
+            target.unlink(missing_ok=True)
+            return None
         parts = cache_parts(cache)
         state_layout = _state_layout(cache)
         folded = getattr(cache, "folded", None)

@@ -19,7 +19,6 @@ import numpy as np
 
 from core import kernels
 from core.arch import ArchSpec, ConfigReader, common_spec
-from core.cache_kinds import _Fixed
 from core.blocks.common import Need, norm_weight
 from core.blocks.mhc import MHC, StreamEmbedding, StreamHead
 from core.blocks.mlp import MoE, SwiGLU
@@ -126,66 +125,72 @@ def rope_tables(r: ConfigReader, rope_dim: int, head_dim: int) -> dict[str, Rope
 
 # --- the compressors' cache kind (to join core/cache_kinds.py when a second family needs it) ----
 @dataclass(frozen=True)
-class Compressed(_Fixed):
-    """A compressor's state (arrays in core.cache.KVCache.state, named ``{name}.*``): its entries
-    (one of ``dim`` values per ``ratio`` positions, ``{name}.entries``, doubling as they come),
-    the projected rows of the block not complete yet (``.kv`` / ``.gate``, length % ratio rows)
-    and, with ``overlap`` (CSA), the last complete block's first half (``.prior_kv`` /
-    ``.prior_gate``; the gate -inf before the first block: softmax weight 0). How many entries and
-    pending rows there are follows from the cache's length. Positions folded into entries cannot
-    be dropped (not truncatable); a checkpoint copies the fixed arrays (entries never change)."""
+class Compressed:
+    """A compressor's state, kept as an object of its own (core.cache: ``cache[i][name]``): its
+    entries (one of ``dim`` values per ``ratio`` positions, doubling storage), the projected rows
+    of the block not complete yet and, with ``overlap`` (CSA), the last complete block's first
+    half (the next entry's window starts there). How many entries and open rows count follows from
+    the cache's length. Positions folded into entries cannot be dropped (not truncatable); a
+    checkpoint copies the open rows and the overlap (entries never change once written); saved
+    sessions skip it (core.cache: not savable)."""
     ratio: int
     dim: int
     overlap: bool
     name: str           # "compressor" | "indexer"
-
-    def state_parts(self):
-        m, d, w = self.ratio, self.dim, self.dim * (2 if self.overlap else 1)
-        parts = {self.name + ".kv": (m, w), self.name + ".gate": (m, w)}
-        if self.overlap:
-            parts.update({self.name + ".prior_kv": (m, d), self.name + ".prior_gate": (m, d)})
-        return parts
+    truncatable = False
+    growing = False
 
     def bytes_per_position(self, dtype: str = "float32") -> int:
         return math.ceil(self.dim * 4 / self.ratio)
+
+    def fixed_bytes(self, dtype: str = "float32") -> int:
+        width = self.dim * (2 if self.overlap else 1)
+        return 4 * 2 * self.ratio * (width + (self.dim if self.overlap else 0))
 
     def describe(self) -> str:
         what = "indexer keys" if self.name == "indexer" else "compressed entries"
         return f"{what} ({self.dim} per {self.ratio} positions)"
 
-    def make(self, dtype, recycled: dict) -> dict:
-        out = super().make(dtype, recycled)
-        if self.overlap:
-            out[self.name + ".prior_gate"].fill(-np.inf)
-        old = recycled.get(self.name + ".entries")      # its rows are dead: the length says how many count
-        out[self.name + ".entries"] = old if old is not None and old.shape[1:] == (self.dim,) else \
-            np.zeros((0, self.dim), np.float32)
-        return out
+    def make(self, dtype, recycled: dict) -> "CompressedState":
+        old = recycled.get(self.name)
+        return CompressedState(self, old._rows if isinstance(old, CompressedState) else None)
 
-    def entries(self, arrays: dict, length: int) -> np.ndarray:
-        return arrays[self.name + ".entries"][: length // self.ratio]
+    def checkpoint(self, st: "CompressedState") -> tuple:
+        return st.kv.copy(), st.gate.copy(), st.prior_kv.copy(), st.prior_gate.copy()
 
-    def pending(self, arrays: dict, length: int) -> tuple[np.ndarray, np.ndarray]:
+    def restore(self, st: "CompressedState", saved: tuple) -> None:
+        st.kv, st.gate, st.prior_kv, st.prior_gate = (a.copy() for a in saved)
+
+
+class CompressedState:
+    def __init__(self, kind: Compressed, entries: np.ndarray | None = None):
+        m, d, w = kind.ratio, kind.dim, kind.dim * (2 if kind.overlap else 1)
+        self.ratio = m
+        self.kv, self.gate = np.zeros((m, w), np.float32), np.zeros((m, w), np.float32)
+        # before the first block: gate -inf, softmax weight 0
+        self.prior_kv, self.prior_gate = np.zeros((m, d), np.float32), np.full((m, d), -np.inf, np.float32)
+        self._rows = entries if entries is not None else np.zeros((0, d), np.float32)   # old rows: dead
+
+    def entries(self, length: int) -> np.ndarray:
+        return self._rows[: length // self.ratio]
+
+    def pending(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         r = length % self.ratio
-        return arrays[self.name + ".kv"][:r], arrays[self.name + ".gate"][:r]
+        return self.kv[:r], self.gate[:r]
 
-    def prior(self, arrays: dict) -> tuple[np.ndarray, np.ndarray]:
-        return arrays[self.name + ".prior_kv"], arrays[self.name + ".prior_gate"]
-
-    def commit(self, arrays: dict, length: int, entries: np.ndarray, kv: np.ndarray, gate: np.ndarray,
-               prior=None) -> None:
+    def commit(self, length: int, entries: np.ndarray, kv: np.ndarray, gate: np.ndarray, prior=None) -> None:
         """After a pass from ``length``: the new entries, the rows of the block still open and (CSA)
         the last complete block's first half."""
-        count, store = length // self.ratio, arrays[self.name + ".entries"]
+        count = length // self.ratio
         n = count + len(entries)
-        if n > len(store):          # doubling: no copy of every entry per block
-            grown = np.zeros((max(n, 2 * len(store)), self.dim), np.float32)
-            grown[:count] = store[:count]
-            arrays[self.name + ".entries"] = store = grown
-        store[count: n] = entries
-        arrays[self.name + ".kv"][: len(kv)], arrays[self.name + ".gate"][: len(gate)] = kv, gate
+        if n > len(self._rows):          # doubling: no copy of every entry per block
+            grown = np.zeros((max(n, 2 * len(self._rows)), self._rows.shape[1]), np.float32)
+            grown[:count] = self._rows[:count]
+            self._rows = grown
+        self._rows[count: n] = entries
+        self.kv[: len(kv)], self.gate[: len(gate)] = kv, gate
         if prior is not None:
-            arrays[self.name + ".prior_kv"][...], arrays[self.name + ".prior_gate"][...] = prior
+            self.prior_kv[...], self.prior_gate[...] = prior
 
 
 # --- compressors and the indexer --------------------------------------------------------------------
@@ -223,27 +228,26 @@ class CompressorBlock:
         self.kv, self.gate = c.load(p + "wkv.weight"), c.load(p + "wgate.weight")
         self.bias = kernels.vector(c.load(p + "ape"))
         self.norm = norm_weight(c, p + "norm.weight")
-        self.kind = spec.cache_kind()
 
     def update(self, h: np.ndarray, cache, i: int) -> np.ndarray:
         """Fold the rows of h [T, hidden] (positions from cache.length on) into layer i's state;
         returns every entry so far [N, dim]."""
         s, m, d = self.spec, self.spec.ratio, self.spec.dim
-        kind, arrays, length = self.kind, cache.state[i], cache.length
-        old_kv, old_gate = kind.pending(arrays, length)
+        st, length = cache[i][s.name], cache.length
+        old_kv, old_gate = st.pending(length)
         kv = np.concatenate([old_kv, kernels.matmul(h, self.kv)])
         gate = np.concatenate([old_gate, kernels.matmul(h, self.gate)])
         n = len(kv) // m
         if n == 0:
-            kind.commit(arrays, length, kv[:0, :d], kv, gate)
-            return kind.entries(arrays, length + len(h))
+            st.commit(length, kv[:0, :d], kv, gate)
+            return st.entries(length + len(h))
         rest_kv, rest_gate = kv[n * m:], gate[n * m:]
         kv, gate = kv[: n * m].reshape(n, m, -1), gate[: n * m].reshape(n, m, -1) + self.bias
         prior = None
         if s.overlap:        # [block w-1's Ca | block w's Cb]; before the first block: weight 0
             ca_kv, ca_gate = np.empty((n, m, d), np.float32), np.empty((n, m, d), np.float32)
             ca_kv[1:], ca_gate[1:] = kv[:-1, :, :d], gate[:-1, :, :d]
-            ca_kv[0], ca_gate[0] = kind.prior(arrays)
+            ca_kv[0], ca_gate[0] = st.prior_kv, st.prior_gate
             prior = (kv[-1, :, :d], gate[-1, :, :d])
             kv = np.concatenate([ca_kv, kv[:, :, d:]], axis=1)
             gate = np.concatenate([ca_gate, gate[:, :, d:]], axis=1)
@@ -253,8 +257,8 @@ class CompressorBlock:
         first = (length // m) * m
         cos, sin = pair_tables(*s.rope.cos_sin(first + m * np.arange(n)))
         entries = rope_pairs_tail(entries[:, None, :], cos, sin)[:, 0]
-        kind.commit(arrays, length, entries, rest_kv, rest_gate, prior)
-        return kind.entries(arrays, length + len(h))
+        st.commit(length, entries, rest_kv, rest_gate, prior)
+        return st.entries(length + len(h))
 
 
 def visible(pos: np.ndarray, n: int, ratio: int) -> np.ndarray:

@@ -141,3 +141,48 @@ def test_a_ring_keeps_the_last_window_positions_and_attends_as_the_growing_cache
     cache.append_part(0, "k", np.ones((2, heads, D), np.float32))
     cache.restore(saved, n)
     np.testing.assert_array_equal(ring.view(cache.state[0], "k", n)[0], cache.k[1][:, n - W: n])
+
+
+def test_a_kind_keeping_an_object_of_its_own_checkpoints_it_and_is_not_saved(tmp_path):
+    """A kind need not keep named arrays (a compressor's partial block, its entries): the cache
+    holds what its make() returns under the kind's name (cache[i][name]), checkpoints and
+    restores it through the kind, recycles it, and saved sessions pass such a cache by."""
+    from types import SimpleNamespace
+    from core.arch import ArchSpec
+    from core.cache import KVCache
+    from core.sessions import SessionStore
+
+    @dataclasses.dataclass(frozen=True)
+    class Tally:          # counts the positions it saw
+        name = "tally"
+        truncatable = False
+        growing = False
+
+        def make(self, dtype, recycled):
+            return recycled.get(self.name) or {"seen": [0]}
+
+        def checkpoint(self, kept):
+            return list(kept["seen"])
+
+        def restore(self, kept, saved):
+            kept["seen"][:] = saved
+
+        def bytes_per_position(self, dtype="float32"):
+            return 0
+
+        def fixed_bytes(self, dtype="float32"):
+            return 8
+
+    spec = ArchSpec(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4,
+                    rms_norm_eps=1e-6, mlp_kinds=["moe"], num_experts=2, top_k=1, norm_topk_prob=False,
+                    cache_kinds=[(KV(1, 4), Tally())])
+    cache = KVCache(spec)
+    cache[0]["tally"]["seen"][0] = 3
+    saved = cache.checkpoint()
+    cache[0]["tally"]["seen"][0] = 5
+    cache.restore(saved, 3)
+    assert cache[0]["tally"]["seen"] == [3] and cache.length == 3 and not cache.truncatable
+    assert KVCache(spec, cache.buffers())[0]["tally"] is cache[0]["tally"]        # recycled
+    assert not cache.savable and cache[0]["kv"]["k"] is cache.k[0]
+    entry = SimpleNamespace(ids=[1, 2, 3], cache=cache, logits=None, prompt_len=3, checkpoint=saved)
+    assert SessionStore(tmp_path).save(None, 1, entry) is None
