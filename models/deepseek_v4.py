@@ -13,7 +13,7 @@ router and the composition. float32 numpy throughout (no compiled path yet)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from core.arch import ArchSpec, ConfigReader, common_spec
 from core.blocks.common import Need, norm_weight
 from core.blocks.mhc import MHC, StreamEmbedding, StreamHead
 from core.blocks.mlp import MoE, SwiGLU
-from core.blocks.routers import ScoreRouter, chosen_weights, route_scores
+from core.blocks.routers import ScoreRouter, _router_weight, chosen_weights, route_scores
 from core.blocks.shared_kv import SharedKV, pair_tables, rope_pairs_tail
 from core.errors import ColiError
 from core.rope import Rope
@@ -41,8 +41,8 @@ DEFAULTS = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
 ALIASES = {"num_experts": ("n_routed_experts", "num_local_experts")}
 DEFAULT_RATES = {CSA: 4, HCA: 128}
 DEFAULT_HASH_LAYERS = 3
-SCORES = ("sqrtsoftplus", "sigmoid")
-W123 = ("w1", "w3", "w2")       # the experts' gate, up, down     # transformers' ACT2FN has no "softmax": it cannot build one
+SCORES = ("sqrtsoftplus", "sigmoid")     # transformers' ACT2FN has no "softmax": it cannot build one
+W123 = ("w1", "w3", "w2")       # the experts' gate, up, down
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -376,7 +376,6 @@ class HashRouter:
         return [Need(p + "gate.weight", (experts, hidden), float32=True), Need(p + "gate.tid2eid", (self.vocab, self.top_k))]
 
     def build(self, c, p: str, experts: int, hidden: int) -> HashTopK:
-        from core.blocks.routers import _router_weight
         table = c.load_ints(p + "gate.tid2eid")
         if table.shape != (self.vocab, self.top_k):
             raise ColiError(f"{p}gate.tid2eid: shape {list(table.shape)}, the config needs [{self.vocab}, {self.top_k}]")
@@ -387,7 +386,7 @@ class HashRouter:
 
 
 @dataclass(frozen=True)
-class StepMoE:
+class V4MoE:
     """core.blocks.mlp.MoE whose hash-routed layers route by the step's token ids."""
     moe: MoE
     kind = "moe"
@@ -399,11 +398,11 @@ class StepMoE:
     def tensors(self, p: str) -> list[Need]:
         return self.moe.tensors(p)
 
-    def build(self, c, p: str) -> "StepMoEBlock":
-        return StepMoEBlock(self.moe.build(c, p))
+    def build(self, c, p: str) -> "V4MoEBlock":
+        return V4MoEBlock(self.moe.build(c, p))
 
 
-class StepMoEBlock:
+class V4MoEBlock:
     kind = "moe"
 
     def __init__(self, block):
@@ -459,7 +458,7 @@ class DeepseekV4:
                              "main" if kind == SLIDING else "compress", extra)
             router = (HashRouter(k, fn, scaling, spec.vocab_size) if mlp == "hash_moe"
                       else ScoreRouter(k, fn, scaling, bias_name="bias"))
-            ffn = StepMoE(MoE(H, E, router, I, shared=SwiGLU(H, I, W123), limit=limit, expert_parts=W123))
+            ffn = V4MoE(MoE(H, E, router, I, shared=SwiGLU(H, I, W123), limit=limit, expert_parts=W123))
             layers.append(MHC(r.positive_int("hc_mult"), r.positive_int("hc_sinkhorn_iters"),
                               r.number("hc_eps"), mixer, ffn))
         spec.layers = layers

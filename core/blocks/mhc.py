@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
-from ..errors import ColiError
 from .common import Need, norm_weight
 from .embed import Embedding, EmbeddingBlock
 
