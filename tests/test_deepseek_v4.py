@@ -283,3 +283,23 @@ def test_a_prompt_longer_than_a_query_block(tmp_path):
     convert(tmp_path / "src", tmp_path / "c16", bits=16, validate_config=validate_config)
     got = open_model(tmp_path / "c16", threads=1).logits(ids)
     assert np.abs(got - full).max() <= 1e-4
+
+
+@pytest.mark.parametrize("table, words", [
+    ([[0, 0]] * 64, "distinct experts"),
+    ([[0, 8]] * 64, "distinct experts in 0..7"),
+    ([[0, 1]] * 63, r"shape \[63, 2\]"),
+])
+def test_a_bad_hash_table_is_refused_at_open(table, words):
+    """tid2eid naming an expert twice or out of range, or of the wrong shape: one line at open."""
+    from core.container import Weight
+    from models.deepseek_v4 import HashRouter
+
+    class Tensors:
+        def load_ints(self, name):
+            return np.asarray(table, np.int64)
+
+        def load(self, name):
+            return Weight("dense", (8, 32), np.zeros((8, 32), np.float32))
+    with pytest.raises(ColiError, match=words):
+        HashRouter(2, "sqrtsoftplus", 1.5, 64).build(Tensors(), "model.layers.0.ffn.", 8, 32)
