@@ -1,7 +1,7 @@
-"""The family-agnostic MoE decoder: the forward driver (embedding, the layers the family composed
-from ``core.blocks``, final norm and head), the per-layer caches, lookahead prefetch, and the
-generation loop. No tensor names beyond the embedding/head, no attention or router math: those
-are the blocks'.
+"""The family-agnostic MoE decoder: the forward driver (the embedding, layers and head the family
+declared from ``core.blocks``, each called with the pass's context, ``core.step.Step``), the
+timers, lookahead prefetch, cancel, and the generation loop. No tensor names, no residual,
+attention or router math, no cache storage (``core.cache``): those are the blocks' and kinds'.
 
 All activations are float32. Weights come from the container as dense float32 or int4/int8
 (computed by ``core.kernels``).
@@ -26,9 +26,8 @@ from .rope import Rope
 from .sampling import Sampler, SamplingParams
 from .step import Step
 from .blocks.mlp import expert_ffn  # noqa: F401  (re-exported: tools and tests use it)
-from .blocks.embed import Embedding, LMHead
+from .blocks.embed import ends
 from .store import ExpertStore
-
 
 
 def token_logprobs(logits: np.ndarray, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -60,9 +59,9 @@ class Engine:
         c = container
         p = spec.prefix      # the language model's tensors in the checkpoint (core.arch.ArchSpec)
         # the ends as the family declared them (core.blocks.embed), else from the spec's fields
-        self.embed = (spec.embedding or Embedding(spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings)).build(c, p)
-        self.head = (spec.head or LMHead(spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings, spec.norm_offset)
-                     ).build(c, p, spec.rms_norm_eps, self.embed)
+        embedding, head = ends(spec)
+        self.embed = embedding.build(c, p)
+        self.head = head.build(c, p, spec.rms_norm_eps, self.embed)
         # each layer as the family composed it (ArchSpec.layers: core.blocks.residual): the
         # engine calls L(i, x, step) and knows nothing more of what a layer does
         self.layers = [decl.build(c, f"{p}layers.{i}.", spec.rms_norm_eps)

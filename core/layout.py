@@ -20,10 +20,9 @@ def expected_tensors(spec: ArchSpec) -> list:
     """Every tensor the spec's layers need (core.blocks.common.Need), the embedding, final norm
     and head included: the one list of the checkpoint's tensors, read by this check, the
     converter, synthetic checkpoints and size estimates."""
-    from .blocks.embed import Embedding, LMHead
-    H, V, p = spec.hidden_size, spec.vocab_size, spec.prefix
-    embedding = spec.embedding or Embedding(V, H, spec.tie_word_embeddings)
-    head = spec.head or LMHead(V, H, spec.tie_word_embeddings, spec.norm_offset)
+    from .blocks.embed import ends
+    H, p = spec.hidden_size, spec.prefix
+    embedding, head = ends(spec)
     out = embedding.tensors(p) + head.tensors(p)
     for i, layer in enumerate(spec.layers):
         out += layer.tensors(f"{p}layers.{i}.", H)

@@ -1,2 +1,4 @@
-"""Building blocks two or more families share (DESIGN.md): routers so far; attention, MLPs and
-the rest move here as the families that need other kinds arrive (issue 17)."""
+"""Building blocks the families compose (DESIGN.md): residual kinds (``residual``), mixers
+(``attention``, ``mla``, ``linear_attention``), feed-forwards and routers (``mlp``, ``routers``),
+and the ends (``embed``). Each is a declaration (sizes and options; its tensors follow) whose
+``build`` loads a callable block; blocks get the pass's context (core.step.Step), never the engine."""

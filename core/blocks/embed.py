@@ -69,3 +69,11 @@ class LMHeadBlock:
 
     def __call__(self, x, step):
         return kernels.matmul(kernels.rms_norm(x, self.norm, self.eps), self.weight)
+
+
+def ends(spec) -> tuple:
+    """(embedding, head) as the family declared them (ArchSpec.embedding / .head), else the
+    defaults from the spec's fields."""
+    tied = spec.tie_word_embeddings
+    return (spec.embedding or Embedding(spec.vocab_size, spec.hidden_size, tied),
+            spec.head or LMHead(spec.vocab_size, spec.hidden_size, tied, spec.norm_offset))

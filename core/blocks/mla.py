@@ -191,15 +191,12 @@ class MLAAttention:
 
         def run(i, x, step):
             s, pos, cache = self.spec, step.pos, step.cache
-            if not step.decode:
+            if not step.decode or (s.indexer is not None and int(pos[0]) + 1 > s.indexer.topk) or (
+                    s.indexer is None and s.shared_index and step.state.get("dsa_allowed") is not None):
                 return None
             h = kernels.rms_norm(x, input_norm, self._eps)
             if s.indexer is not None:
-                if int(pos[0]) + 1 > s.indexer.topk:
-                    return None
                 step.state["dsa_allowed"] = self._select(i, h, None, step)
-            elif s.shared_index and step.state.get("dsa_allowed") is not None:
-                return None
             cos, sin = step.rope()
             cache.ensure(i, cache.length + 1)
             out = self.fast(np.ascontiguousarray(h, dtype=np.float32), np.ascontiguousarray(cos, dtype=np.float32),
