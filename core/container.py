@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import ColiError
 from .layout import ExpertPattern, check_recorded_pattern, layer_of
-from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, to_float32
+from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, TensorInfo, to_float32
 
 MANIFEST = "colibri.json"
 FORMAT = "colibri"
@@ -271,6 +271,16 @@ class Container:
         sf, sinfo = self.index[name + ".qs"]
         return weight_from_bytes(info, f.pread(info.nbytes, info.start), q, sinfo,
                                  sf.pread(sinfo.nbytes, sinfo.start))
+
+    def load_ints(self, name: str) -> np.ndarray:
+        """An integer tensor as int64 (a routing table: DeepSeek V4's ``tid2eid``)."""
+        try:
+            f, info = self.index[name]
+        except KeyError:
+            raise ColiError(f"{self.path}: tensor {name} is missing from the container") from None
+        if info.dtype in FLOAT_DTYPES or info.dtype == "BOOL":
+            raise ColiError(f"{self.path}: tensor {name} is {info.dtype}, not an integer table")
+        return np.frombuffer(f.pread(info.nbytes, info.start), dtype=DTYPES[info.dtype]).reshape(info.shape).astype(np.int64)
 
     def load_rows(self, name: str) -> Weight:
         """A matrix whose rows are read from the file when asked for (``RowsOnDisk``; its scales,

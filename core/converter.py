@@ -49,7 +49,7 @@ from .container import EXPERT_PATTERN_KEY, FORMAT, FORMAT_VERSION, MANIFEST, MAX
 from .errors import ColiError
 from .fileio import atomic_write_text
 from .integrity import ALGORITHM, shard_checksums
-from .layout import EXPERT_PARTS, Layout, layer_of
+from .layout import EXPERT_PARTS, Layout, expected_tensors, layer_of
 from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, SafetensorsWriter, to_float32
 
 BLOCK_BYTES = 8 << 20       # float32 bytes converted at a time
@@ -302,11 +302,12 @@ def _fused_shape(rule) -> str:
 
 
 def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = None,
-          layout: Layout = Layout()) -> list[tuple[str, list[_Out]]]:
+          layout: Layout = Layout(), floats: frozenset = frozenset()) -> list[tuple[str, list[_Out]]]:
     """Output shards in order: one per decoder layer, then everything else, then one per MTP group
     (``mtp``: tensor name -> group, see ``Layout.mtp_group``). Within a shard, the dense tensors by
     name, then each routed expert's tensors together (``layout.experts``); each tensor's scheme
-    from its class (``layout.tensor_class``)."""
+    from its class (``layout.tensor_class``). ``floats``: names the blocks read as float32
+    (``Need.float32``), kept so at any --bits."""
     mtp = mtp or {}
     by_layer: dict[int | None, list[_Out]] = {}
     by_group: dict[str, list[_Out]] = {}
@@ -314,6 +315,8 @@ def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = N
         s = sources[name]
         if s.dtype not in FLOAT_DTYPES and bits != 16:
             scheme = "keep"
+        elif name in floats and bits != 16:
+            scheme = "f32"
         else:
             scheme = quant.scheme_at(layout.tensor_class(name, len(s.shape)), bits)
         if s.scale_inv is not None and bits == 16:
@@ -461,7 +464,8 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
             mtp_entry["tensors"] = len(mtp)
             sources = {n: s for n, s in sources.items() if n not in mtp}
             mtp = {}
-    plan = _plan(sources, bits, mtp, layout)
+    floats = frozenset(n.name for n in expected_tensors(spec) if n.float32) if spec is not None else frozenset()
+    plan = _plan(sources, bits, mtp, layout, floats)
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}

@@ -162,7 +162,8 @@ class Engine:
         if j is None or not self._prefetching():
             return
         L = self.layers[j]
-        ranked = L.router.predict(L.router_input(x, step))
+        known = getattr(L, "known_experts", None)      # hash routing: certain, from the ids
+        ranked = known(step) if known is not None else L.router.predict(L.router_input(x, step))
         self._predicted[j] = set(ranked)
         self.store.prefetch(j, ranked)
 

@@ -6,6 +6,7 @@ from core.layout import check_layout
 from core.rope import Rope
 
 from .deepseek_v3 import DeepseekV3
+from .deepseek_v4 import DeepseekV4
 from .glm4_moe import Glm4Moe
 from .glm_moe_dsa import GlmMoeDsa
 from .kimi_linear import KimiLinear
@@ -13,7 +14,8 @@ from .olmoe import Olmoe
 from .qwen3_moe import Qwen3Moe
 from .qwen3_5_moe import Qwen3_5Moe
 
-FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa, Qwen3_5Moe, KimiLinear)}
+FAMILIES = {f.model_type: f for f in (Olmoe, Qwen3Moe, Glm4Moe, DeepseekV3, GlmMoeDsa, Qwen3_5Moe, KimiLinear,
+                                      DeepseekV4)}
 # Kimi-K2's config.json says "kimi_k2": its remote-code config class is DeepseekV3Config under
 # another name, and its architectures DeepseekV3ForCausalLM (transformers 5.24 has no kimi_k2)
 FAMILIES["kimi_k2"] = DeepseekV3
@@ -51,5 +53,6 @@ def validate_config(config: dict, shapes: dict | None = None, where: str = "the 
     spec = family_for(config).spec(config)
     if shapes is not None:
         check_layout(spec, shapes, where)
-    Rope(spec.text_config or config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
+    if "main" not in spec.rope_tables:         # a family that builds its tables checked them
+        Rope(spec.text_config or config, spec.rope_dim or spec.head_dim, partial=spec.rope_partial)
     return spec

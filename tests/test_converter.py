@@ -102,7 +102,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     with pytest.raises(ColiError, match="invalid JSON"):
         convert(src, tmp_path / "o2")
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ColiError, match=r"unsupported model_type 'llama' \(supported: deepseek_v3, glm4_moe, glm_moe_dsa, kimi_k2, kimi_linear, olmoe, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe\)"):
+    with pytest.raises(ColiError, match=r"unsupported model_type 'llama' \(supported: deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, kimi_k2, kimi_linear, olmoe, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe\)"):
         convert(src, tmp_path / "o3")
     model = write_hf_model(tmp_path / "sharded", tiny_config(), shards=2)
     (model / "model-00002-of-00002.safetensors").rename(model / "gone")

@@ -4,7 +4,7 @@
 the same model as DeepSeek's release ships it (DeepSeek's names, FP4 experts, FP8 blocks, MTP).
 Until the engine runs the family (tests/test_oracle.py picks the fixtures up once deepseek_v4 is
 registered) this checks what the files promise: the release's dtypes and scale shapes, that
-models/deepseek_v4_names.RENAMES turns the release's names into exactly transformers' names (MTP
+models/deepseek_v4.RENAMES turns the release's names into exactly transformers' names (MTP
 set aside), and that the release's weights decode to the transformers weights' own FP4 / FP8 /
 BF16 encoding. Runs on the committed fixtures, or on fresh ones with ``--oracle-fresh``.
 """
@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from core.safetensors_io import bf16_from_float32
-from models.deepseek_v4_names import RENAMES, SET_ASIDE
+from models.deepseek_v4 import LAYOUT, RENAMES
 from tests.conftest import COMMITTED
 from tests.oracle import hub_formats as hf
 
@@ -39,7 +39,7 @@ def _rename_all(name: str) -> str:
 
 
 def _set_aside(name: str) -> bool:
-    return any(re.search(p, name) for p in SET_ASIDE)
+    return LAYOUT.mtp_group(name, None) is not None
 
 
 def _transformers(root, name) -> dict[str, np.ndarray]:

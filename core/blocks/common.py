@@ -17,6 +17,9 @@ class Need:
     shape: tuple[int, ...] | None
     optional: bool = False
     synthetic: bool = True      # written into a synthetic checkpoint of the config (core.synthetic)
+    # stays float32 whatever --bits (the converter's plan): the block reads its numbers directly
+    # (mHC mixes, a grouped projection, a router, a compressor's position bias)
+    float32: bool = False
 
 
 def load_needs(c, needs: list[Need], prefix: str) -> dict:

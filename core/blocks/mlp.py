@@ -17,9 +17,13 @@ from ..store import ExpertFFN
 from .common import Need, load_needs
 
 
-def expert_ffn(x: np.ndarray, ffn: ExpertFFN) -> np.ndarray:
-    return kernels.matmul(kernels.silu(kernels.matmul(x, ffn.gate)) * kernels.matmul(x, ffn.up),
-                          ffn.down)
+def expert_ffn(x: np.ndarray, ffn: ExpertFFN, limit: float | None = None) -> np.ndarray:
+    """down(silu(gate x) * up x); with ``limit`` the clamped SwiGLU of DeepSeek V4 / GLM-5.3-Flash
+    (gate clamped to <= limit, up to [-limit, limit]; numpy only, no compiled path yet)."""
+    g, u = kernels.matmul(x, ffn.gate), kernels.matmul(x, ffn.up)
+    if limit is not None:
+        g, u = np.minimum(g, np.float32(limit)), np.clip(u, np.float32(-limit), np.float32(limit))
+    return kernels.matmul(kernels.silu(g) * u, ffn.down)
 
 
 @dataclass(frozen=True)
@@ -27,18 +31,18 @@ class SwiGLU:
     """down(silu(gate x) * up x); ``intermediate`` None: whatever the tensors say (consistently)."""
     hidden: int
     intermediate: int | None = None
+    parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")   # DeepSeek V4: w1, w3, w2
 
     def tensors(self, p: str) -> list[Need]:
         I, H = self.intermediate, self.hidden
+        gate, up, down = (p + n + ".weight" for n in self.parts)
         if I is None:
-            return [Need(p + "gate_proj.weight", None), Need(p + "up_proj.weight", None),
-                    Need(p + "down_proj.weight", None)]
-        return [Need(p + "gate_proj.weight", (I, H)), Need(p + "up_proj.weight", (I, H)),
-                Need(p + "down_proj.weight", (H, I))]
+            return [Need(gate, None), Need(up, None), Need(down, None)]
+        return [Need(gate, (I, H)), Need(up, (I, H)), Need(down, (H, I))]
 
     def build(self, c, p: str) -> "DenseMLP":
         w = load_needs(c, self.tensors(p), p)
-        return DenseMLP(ExpertFFN(*(w[f"{n}_proj.weight"] for n in ("gate", "up", "down"))))
+        return DenseMLP(ExpertFFN(*(w[n + ".weight"] for n in self.parts)))
 
 
 class DenseMLP:
@@ -67,6 +71,7 @@ class MoE:
     # the routed experts' tensor names (gate, up, down) as the checkpoint has them: Kimi's
     # ``w1`` / ``w3`` / ``w2``; the container maps them back (manifest ``expert_parts``)
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    limit: float | None = None      # the clamped SwiGLU (expert_ffn) of routed and shared experts
 
     def tensors(self, p: str) -> list[Need]:
         out = list(self.router.tensors(p, self.num_experts, self.hidden))
@@ -85,14 +90,14 @@ class MoE:
     def build(self, c, p: str) -> "MoEBlock":
         shared = self.shared.build(c, p + self.shared_prefix).mlp if self.shared is not None else None
         gate = c.load(p + "shared_expert_gate.weight") if shared is not None and self.shared_gate else None
-        return MoEBlock(self.router.build(c, p, self.num_experts, self.hidden), shared, gate)
+        return MoEBlock(self.router.build(c, p, self.num_experts, self.hidden), shared, gate, self.limit)
 
 
 class MoEBlock:
     kind = "moe"
 
-    def __init__(self, router, shared: ExpertFFN | None = None, shared_gate=None):
-        self.router, self.shared, self.shared_gate = router, shared, shared_gate
+    def __init__(self, router, shared: ExpertFFN | None = None, shared_gate=None, limit: float | None = None):
+        self.router, self.shared, self.shared_gate, self.limit = router, shared, shared_gate, limit
 
     def __call__(self, i: int, h: np.ndarray, step, routed=None) -> np.ndarray:
         """routed: (top, weights) of h when the attention block computed them already. ``step``
@@ -102,7 +107,7 @@ class MoEBlock:
         # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
         # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
         # slots and are summed in rank order, so arrival and grouping cannot change the output.
-        if h.shape[0] == 1:          # decode: every expert reads the one row (laid out once)
+        if h.shape[0] == 1 and self.limit is None:    # decode: every expert reads the one row (laid out once)
             contrib = np.empty((1, top.shape[1], h.shape[1]), np.float32)
             for batch in step.store.request_batches(i, used):
                 kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
@@ -118,14 +123,18 @@ class MoEBlock:
                 picks = [np.nonzero(top == e) for e, _ in batch]
                 rows = np.concatenate([r for r, _ in picks])
                 ranks = np.concatenate([r for _, r in picks])
-                kernels.swiglu_many(h[rows], [ffn for _, ffn in batch],
-                                    kernels.spans(len(r) for r, _ in picks), out=y[at: at + len(rows)])
+                if self.limit is None:
+                    kernels.swiglu_many(h[rows], [ffn for _, ffn in batch],
+                                        kernels.spans(len(r) for r, _ in picks), out=y[at: at + len(rows)])
+                else:        # clamped: expert by expert in numpy (the compiled kernels do not clamp)
+                    y[at: at + len(rows)] = np.concatenate([expert_ffn(h[r], ffn, self.limit)
+                                                            for (r, _), (_, ffn) in zip(picks, batch)])
                 slots[rows, ranks] = np.arange(at, at + len(rows))
                 at += len(rows)
                 step.check_cancel()     # a prefill batch of experts can take a while
             out = kernels.rank_combine(y, slots, weights)   # rank 0 + rank 1 + ..., in that order
         if self.shared is not None:
-            y = expert_ffn(h, self.shared)
+            y = expert_ffn(h, self.shared, self.limit)
             if self.shared_gate is not None:     # sigmoid(gate x) per position
                 with np.errstate(over="ignore"):
                     y = (np.float32(1.0) / (np.float32(1.0) + np.exp(-kernels.matmul(h, self.shared_gate)))) * y

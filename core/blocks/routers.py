@@ -66,6 +66,39 @@ class SigmoidGroupTopK:
     predict = SoftmaxTopK.predict
 
 
+def route_scores(logits: np.ndarray, fn: str) -> np.ndarray:
+    """A router's per-expert scores: ``sqrtsoftplus`` sqrt(softplus(l)) (DeepSeek V4) or
+    ``sigmoid``."""
+    logits = logits.astype(np.float32, copy=False)
+    if fn == "sqrtsoftplus":      # torch's softplus: x itself above 20
+        return np.sqrt(np.where(logits > 20, logits, np.logaddexp(np.float32(0), logits))).astype(np.float32)
+    return (np.float32(1) / (np.float32(1) + np.exp(-logits))).astype(np.float32)
+
+
+def chosen_weights(scores: np.ndarray, top: np.ndarray, scaling: np.float32) -> np.ndarray:
+    """The chosen experts' scores, renormalised (+1e-20) and times ``scaling``."""
+    w = np.take_along_axis(scores, top, axis=1)
+    return (w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20)) * scaling).astype(np.float32)
+
+
+class ScoreTopK:
+    """DeepSeek V4 / Inkling: a score per expert (route_scores), ``bias`` added only to choose the
+    ``top_k`` (no groups), the chosen scores renormalised and times ``scaling`` (transformers'
+    ``DeepseekV4TopKRouter``). Ties go to the lower index."""
+    kind = "score_topk"
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, top_k: int, fn: str, scaling: float):
+        self.weight, self.bias, self.top_k, self.fn = weight, np.asarray(bias, np.float32), top_k, fn
+        self.scaling = np.float32(scaling)
+
+    def route(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scores = route_scores(kernels.router_logits(h, self.weight), self.fn)
+        top = np.argsort(-(scores + self.bias), axis=1, kind="stable")[:, : self.top_k]
+        return top.astype(np.int64), chosen_weights(scores, top, self.scaling)
+
+    predict = SoftmaxTopK.predict
+
+
 # --- what a family declares (the tensors follow from it) ------------------------------------------
 class SoftmaxRouter:
     """Declares a SoftmaxTopK router: ``mlp.gate.weight`` [experts, hidden]."""
@@ -99,6 +132,23 @@ class SigmoidGroupRouter:
         bias = kernels.vector(w["gate.e_score_correction_bias"])
         return SigmoidGroupTopK(_router_weight(w, p, experts, hidden), bias, self.top_k, self.n_group,
                                 self.topk_group, self.norm_topk_prob, self.scaling)
+
+
+class ScoreRouter:
+    """Declares a ScoreTopK router: ``gate.weight`` [experts, hidden] and its bias [experts],
+    ``gate.{bias_name}`` (DeepSeek V4's checkpoints: ``gate.bias``)."""
+
+    def __init__(self, top_k: int, fn: str, scaling: float, bias_name: str = "e_score_correction_bias"):
+        self.top_k, self.fn, self.scaling, self.bias_name = top_k, fn, scaling, bias_name
+
+    def tensors(self, p: str, experts: int, hidden: int):
+        from .common import Need
+        return [Need(p + "gate.weight", (experts, hidden), float32=True), Need(p + "gate." + self.bias_name, (experts,))]
+
+    def build(self, c, p: str, experts: int, hidden: int):
+        w = load_needs(c, self.tensors(p, experts, hidden), p)
+        bias = kernels.vector(w["gate." + self.bias_name])
+        return ScoreTopK(_router_weight(w, p, experts, hidden), bias, self.top_k, self.fn, self.scaling)
 
 
 def _router_weight(w: dict, p: str, experts: int, hidden: int) -> np.ndarray:

@@ -39,7 +39,7 @@ def hc_init(leaf: str, shape, normal) -> torch.Tensor:
 # --- names: transformers' saved names <-> the release's ------------------------------------
 def hub_name(saved: str) -> str:
     """The release's name of one tensor transformers 5.25's save_pretrained wrote (the inverse of
-    models/deepseek_v4_names.RENAMES, written out separately so the test checks one against the
+    models/deepseek_v4.RENAMES, written out separately so the test checks one against the
     other)."""
     special = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
                "head.weight": "head.weight"}
