@@ -146,7 +146,19 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
         if _compiled is not None:
             return _compiled.q8_matmul(x, w.data, w.scales)
         return quant.matmul_int8_ref(x, w.data, w.scales)
+    if w.scheme == quant.FP4:
+        if _fp4_compiled():
+            return _compiled.fp4_matmul(x, w.data, w.scales, w.shape[1])
+        return quant.matmul_fp4_ref(x, w.data, w.scales, w.shape[1])
     raise ValueError(f"unknown weight scheme {w.scheme}")
+
+
+def _fp4_compiled() -> bool:
+    """Whether FP4 products run in the compiled kernels (cython_kernels/fp4.h: dense.h's summation
+    order over the decoded weights, the same bits for every row count, thread count and variant);
+    like the dense products, not on x86's portable variant (no hardware FMA), where numpy runs
+    x @ dequant(W).T. The choice depends on the CPU, never on placement."""
+    return _compiled is not None and hasattr(_compiled, "fp4_matmul") and _compiled.fp4_level() != "portable"
 
 
 def rows(w: Weight, ids: np.ndarray) -> np.ndarray:
@@ -157,6 +169,8 @@ def rows(w: Weight, ids: np.ndarray) -> np.ndarray:
         return quant.dequantize_int8(w.data[ids], w.scales[ids])
     if w.scheme == "int4":
         return quant.dequantize_int4(w.data[ids], w.scales[ids], w.shape[1], w.group_size)
+    if w.scheme == quant.FP4:
+        return quant.dequantize_fp4(w.data[ids], w.scales[ids], w.shape[1])
     raise ValueError(f"unknown weight scheme {w.scheme}")
 
 
@@ -476,7 +490,7 @@ def weight_rows(w: Weight, r0: int, r1: int) -> Weight:
     """Rows [r0, r1) of a matrix, in its own scheme (views of its bytes and scales, no copy)."""
     if w.scheme == "dense":
         return Weight("dense", (r1 - r0, w.shape[1]), w.data[r0:r1])
-    if w.scheme in ("int4", "int8"):
+    if w.scheme in ("int4", "int8", quant.FP4):
         return Weight(w.scheme, (r1 - r0, w.shape[1]), w.data[r0:r1], w.scales[r0:r1], w.group_size)
     raise ValueError(f"unknown weight scheme {w.scheme}")
 
