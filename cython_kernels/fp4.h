@@ -1,0 +1,318 @@
+/* FP4 products y = x @ W.T with W in FP4 E2M1 codes and a UE8M0 scale per 32 (core.quant.FP4:
+ * DeepSeek V4's routed experts, Kimi K3's MXFP4, the bits they ship) -- cython_kernels/fp4.pxi.
+ *
+ * A row's byte i holds column 2i (low nibble) and 2i + 1 (high); a code's bit 3 is the sign,
+ * bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}; group g (columns 32g .. 32g + 31) is scaled by
+ * 2^(s[g] - 127) (byte 255: NaN).  value = E2M1[code] * scale is exact in float32 (or +-inf past
+ * its range): decoding is a 16-entry table times a power of two, never a rounding.
+ *
+ * Order.  Each group's 16 bytes give, per byte j, columns 32g + 2j and 32g + 2j + 1.  We sum in
+ * "positions": position 32g + j is column 32g + 2j, position 32g + 16 + j column 32g + 2j + 1 (zero
+ * past K).  x is laid out once per call in that order (coli_f4_lay_x) and every y[t][o] is dense.h's
+ * order over positions:
+ *
+ *     16 lanes: lane j = fma chain over positions p = j (mod 16) in increasing p, from +0,
+ *     then dense.h's fixed tree (coli_dn_fold).
+ *
+ * So lane j takes, group after group, the low nibble of byte 16g + j, then its high nibble: one
+ * 16-lane vector of bytes feeds two FMAs with no interleaving shuffle, and y is bit for bit
+ * dense_matmul(x_pos, W_pos) of the permuted float32 arrays (tests/test_fp4.py).  Every variant
+ * (AVX-512 one zmm of lanes, AVX2 two ymm, portable / NEON fmaf), every thread count, every row
+ * count (decode runs a fused row kernel, many rows decode a panel of W and run dense.h's tiles)
+ * and every grouping of matrices gives the same bits.  Partial last groups: the missing columns
+ * are zero products (fma(0, 0, lane) = lane), and the padding nibble of an odd K is never read.
+ *
+ * Decode per group, AVX-512: the 16 bytes widened to 32-bit lanes, the table scaled once
+ * (vmulps), vpermps of the byte (it reads the low 4 bits: the low nibble's code, sign included) and
+ * of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so an 8-entry magnitude table and the sign
+ * bit moved to bit 31 (shift, and, xor).
+ */
+#ifndef COLI_FP4_H
+#define COLI_FP4_H
+
+#include <math.h>
+#include "dense.h"
+
+enum { COLI_F4_G = 32 };      /* columns per scale */
+enum { COLI_F4_RB = 64 };     /* weight rows per work block of a one-row product */
+
+static const float coli_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* 2^(b - 127) for a UE8M0 byte: b = 0 the subnormal 2^-127, b = 255 NaN. */
+static inline float coli_ue8m0(uint8_t b)
+{
+    uint32_t u = b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : (uint32_t)b << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Positions per row: K rounded up to whole groups. */
+static coli_idx coli_f4_kp(coli_idx K)
+{
+    return (K + COLI_F4_G - 1) / COLI_F4_G * COLI_F4_G;
+}
+
+/* Row stride of x laid out in positions: kp plus 16 floats (rows of a tile off each other's L1
+ * sets, as coli_dn_ldx). */
+static coli_idx coli_f4_ldx(coli_idx K)
+{
+    return coli_f4_kp(K) + 16;
+}
+
+/* Rows [t0, t1) of x [.][K] into X [.][ldx] in positions, zeros past K and up to ldx. */
+static void coli_f4_lay_x(const float *x, coli_idx K, coli_idx t0, coli_idx t1, float *X,
+                          coli_idx ldx)
+{
+    coli_idx t, p, kp = coli_f4_kp(K);
+    for (t = t0; t < t1; t++) {
+        const float *xr = x + t * K;
+        float *o = X + t * ldx;
+        for (p = 0; p < kp; p++) {
+            coli_idx j = p % COLI_F4_G, col = p - j + (j < 16 ? 2 * j : 2 * (j - 16) + 1);
+            o[p] = col < K ? xr[col] : 0.0f;
+        }
+        for (; p < ldx; p++)
+            o[p] = 0.0f;
+    }
+}
+
+/* Group g of a row (bytes w, ldb = ceil(K/2) a row) decoded into positions out[0..32): exact
+ * values, zeros past K. */
+static void coli_f4_group_portable(const uint8_t *w, coli_idx ldb, float s, coli_idx g, coli_idx K,
+                                   float *out)
+{
+    int j;
+    for (j = 0; j < 16; j++) {
+        coli_idx col = COLI_F4_G * g + 2 * j, byte = col / 2;
+        uint8_t b = byte < ldb ? w[byte] : 0;
+        out[j] = col < K ? coli_e2m1[b & 15] * s : 0.0f;
+        out[16 + j] = col + 1 < K ? coli_e2m1[b >> 4] * s : 0.0f;
+    }
+}
+
+#if COLI_X86
+COLI_T_AVX512 static inline void coli_f4_group512(const uint8_t *w, float s, __m512 *lo, __m512 *hi)
+{
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    __m512 lut = _mm512_mul_ps(_mm512_loadu_ps(coli_e2m1), _mm512_set1_ps(s));
+    *lo = _mm512_permutexvar_ps(b, lut);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
+}
+
+/* 8 bytes: lo / hi are the values of their low / high nibbles (lanes 0-7). */
+COLI_T_AVX2 static inline void coli_f4_half256(const uint8_t *w, __m256 lut, __m256 *lo, __m256 *hi)
+{
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+    __m256 ml = _mm256_permutevar8x32_ps(lut, b), mh = _mm256_permutevar8x32_ps(lut, _mm256_srli_epi32(b, 4));
+    *lo = _mm256_xor_ps(ml, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 28), sign)));
+    *hi = _mm256_xor_ps(mh, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 24), sign)));
+}
+
+COLI_T_AVX2 static inline __m256 coli_f4_lut256(float s)
+{
+    return _mm256_mul_ps(_mm256_loadu_ps(coli_e2m1), _mm256_set1_ps(s));
+}
+
+/* A whole group's 32 values into out, in positions. */
+COLI_T_AVX512 static void coli_f4_store512(const uint8_t *w, float s, float *out)
+{
+    __m512 lo, hi;
+    coli_f4_group512(w, s, &lo, &hi);
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + 16, hi);
+}
+
+COLI_T_AVX2 static void coli_f4_store256(const uint8_t *w, float s, float *out)
+{
+    __m256 lut = coli_f4_lut256(s), lo, hi;
+    int h;
+    for (h = 0; h < 2; h++) {
+        coli_f4_half256(w + 8 * h, lut, &lo, &hi);
+        _mm256_storeu_ps(out + 8 * h, lo);
+        _mm256_storeu_ps(out + 16 + 8 * h, hi);
+    }
+}
+#endif
+
+/* Positions [p0, p0 + n) (p0, n multiples of 32) of weight rows [o, o + c) decoded into
+ * P [c][ldp]: the W panel of dense.h's tiles. */
+static void coli_f4_panel(int lv, const uint8_t *W, const uint8_t *S, coli_idx K, coli_idx o, int c,
+                          coli_idx p0, coli_idx n, float *P, coli_idx ldp)
+{
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, g, full = K / COLI_F4_G;
+    int r;
+    for (r = 0; r < c; r++) {
+        const uint8_t *w = W + (o + r) * ldb, *s = S + (o + r) * ng;
+        for (g = p0 / COLI_F4_G; g < (p0 + n) / COLI_F4_G; g++) {
+            float sc = coli_ue8m0(s[g]), *out = P + r * ldp + (COLI_F4_G * g - p0);
+#if COLI_X86
+            if (g < full && lv == COLI_AVX512) {
+                coli_f4_store512(w + 16 * g, sc, out);
+                continue;
+            }
+            if (g < full && lv == COLI_AVX2) {
+                coli_f4_store256(w + 16 * g, sc, out);
+                continue;
+            }
+#endif
+            coli_f4_group_portable(w, ldb, sc, g, K, out);
+        }
+    }
+    (void)full;
+    (void)lv;
+}
+
+/* ---- one row of x: fused decode + FMA, rows [o0, o1) -------------------------------------- */
+static void coli_f4_rows_portable(const float *xp, const uint8_t *W, const uint8_t *S, coli_idx K,
+                                  coli_idx o0, coli_idx o1, float *y)
+{
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, o, g;
+    float a[COLI_DN_L], v[COLI_F4_G];
+    int j;
+    for (o = o0; o < o1; o++) {
+        for (j = 0; j < COLI_DN_L; j++)
+            a[j] = 0.0f;
+        for (g = 0; g < ng; g++) {
+            const float *xg = xp + COLI_F4_G * g;
+            coli_f4_group_portable(W + o * ldb, ldb, coli_ue8m0(S[o * ng + g]), g, K, v);
+            for (j = 0; j < COLI_DN_L; j++)
+                a[j] = fmaf(xg[j], v[j], a[j]);
+            for (j = 0; j < COLI_DN_L; j++)
+                a[j] = fmaf(xg[16 + j], v[16 + j], a[j]);
+        }
+        y[o] = coli_dn_fold(a);
+    }
+}
+
+#if COLI_X86
+/* Rows four at a time (one x load per group feeds them), the last ones alone; a partial last
+ * group decoded by the portable routine (the same values). */
+COLI_T_AVX512 static void coli_f4_rows512(const float *xp, const uint8_t *W, const uint8_t *S,
+                                          coli_idx K, coli_idx o0, coli_idx o1, float *y)
+{
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, o, g;
+    for (o = o0; o < o1;) {
+        int R = o1 - o >= 4 ? 4 : 1, r;
+        __m512 a[4];
+        for (r = 0; r < 4; r++)
+            a[r] = _mm512_setzero_ps();
+        for (g = 0; g < full; g++) {
+            __m512 xe = _mm512_loadu_ps(xp + COLI_F4_G * g), xo = _mm512_loadu_ps(xp + COLI_F4_G * g + 16);
+#pragma GCC unroll 4
+            for (r = 0; r < 4; r++) {
+                if (r < R) {
+                    __m512 lo, hi;
+                    _mm_prefetch((const char *)(W + (o + r) * ldb + 16 * g + 512), _MM_HINT_T0);
+                    coli_f4_group512(W + (o + r) * ldb + 16 * g, coli_ue8m0(S[(o + r) * ng + g]), &lo, &hi);
+                    a[r] = _mm512_fmadd_ps(xe, lo, a[r]);
+                    a[r] = _mm512_fmadd_ps(xo, hi, a[r]);
+                }
+            }
+        }
+        for (r = 0; r < R; r++) {
+            if (g < ng) {
+                float v[COLI_F4_G];
+                coli_f4_group_portable(W + (o + r) * ldb, ldb, coli_ue8m0(S[(o + r) * ng + g]), g, K, v);
+                a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + COLI_F4_G * g), _mm512_loadu_ps(v), a[r]);
+                a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + COLI_F4_G * g + 16), _mm512_loadu_ps(v + 16), a[r]);
+            }
+            y[o + r] = coli_dn_fold512(a[r]);
+        }
+        o += R;
+    }
+}
+
+/* Two rows at a time (lanes 0-7 and 8-15 of each in two ymm). */
+COLI_T_AVX2 static void coli_f4_rows256(const float *xp, const uint8_t *W, const uint8_t *S,
+                                        coli_idx K, coli_idx o0, coli_idx o1, float *y)
+{
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, o, g;
+    for (o = o0; o < o1;) {
+        int R = o1 - o >= 2 ? 2 : 1, r, h;
+        __m256 a[2][2];
+        for (r = 0; r < 2; r++)
+            a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (g = 0; g < full; g++) {
+            const float *xg = xp + COLI_F4_G * g;
+#pragma GCC unroll 2
+            for (r = 0; r < 2; r++) {
+                if (r < R) {
+                    const uint8_t *wg = W + (o + r) * ldb + 16 * g;
+                    __m256 lut = coli_f4_lut256(coli_ue8m0(S[(o + r) * ng + g])), lo, hi;
+                    _mm_prefetch((const char *)(wg + 512), _MM_HINT_T0);
+#pragma GCC unroll 2
+                    for (h = 0; h < 2; h++) {
+                        coli_f4_half256(wg + 8 * h, lut, &lo, &hi);
+                        a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * h), lo, a[r][h]);
+                        a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16 + 8 * h), hi, a[r][h]);
+                    }
+                }
+            }
+        }
+        for (r = 0; r < R; r++) {
+            if (g < ng) {
+                float v[COLI_F4_G];
+                coli_f4_group_portable(W + (o + r) * ldb, ldb, coli_ue8m0(S[(o + r) * ng + g]), g, K, v);
+                for (h = 0; h < 2; h++) {
+                    a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + COLI_F4_G * g + 8 * h),
+                                              _mm256_loadu_ps(v + 8 * h), a[r][h]);
+                    a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + COLI_F4_G * g + 16 + 8 * h),
+                                              _mm256_loadu_ps(v + 16 + 8 * h), a[r][h]);
+                }
+            }
+            y[o + r] = coli_dn_fold256(a[r][0], a[r][1]);
+        }
+        o += R;
+    }
+}
+#endif
+
+/* y[o] for o in [o0, o1) of one laid-out row xp (positions). */
+static void coli_f4_rows(int level, const float *xp, const uint8_t *W, const uint8_t *S, coli_idx K,
+                         coli_idx o0, coli_idx o1, float *y)
+{
+    int lv = coli_dn_level(level);
+#if COLI_X86
+    if (lv == COLI_AVX512) {
+        coli_f4_rows512(xp, W, S, K, o0, o1, y);
+        return;
+    }
+    if (lv == COLI_AVX2) {
+        coli_f4_rows256(xp, W, S, K, o0, o1, y);
+        return;
+    }
+#endif
+    coli_f4_rows_portable(xp, W, S, K, o0, o1, y);
+}
+
+/* ---- many rows: dense.h's tiles over decoded W panels ---------------------------------------- */
+/* One work block: y[t * ldy + o], t in [t0, t1) (<= COLI_DN_TB), o in [o0, o1) (<= COLI_DN_OB);
+ * X laid out by coli_f4_lay_x (stride ldx).  scratch: coli_dn_scratch_floats(T > 1, .). */
+static void coli_f4_block(int level, const float *X, coli_idx ldx, const uint8_t *W, const uint8_t *S,
+                          coli_idx K, coli_idx t0, coli_idx t1, coli_idx o0, coli_idx o1, float *y,
+                          coli_idx ldy, float *scratch)
+{
+    int lv = coli_dn_level(level), R, C;
+    coli_idx k0, o, t, kp = coli_f4_kp(K);
+    float *accs = scratch, *wp = scratch + COLI_DN_TB * COLI_DN_OB * COLI_DN_L;
+    coli_dn_tile_shape(lv, 2, &R, &C);
+    for (k0 = 0; k0 < kp || k0 == 0; k0 += COLI_DN_KC) {     /* K == 0: one empty panel, y = 0 */
+        coli_idx kn = kp - k0 < COLI_DN_KC ? kp - k0 : COLI_DN_KC;
+        int first = k0 == 0, last = k0 + kn >= kp, c;
+        for (o = o0; o < o1; o += c) {
+            c = o1 - o >= C ? C : lv == COLI_AVX512 || lv == COLI_AVX2 ? 1 : (int)(o1 - o);
+            coli_f4_panel(lv, W, S, K, o, c, k0, kn, wp, COLI_DN_LDP);
+            for (t = t0; t < t1; t += R) {
+                int r = t1 - t >= R ? R : (int)(t1 - t);
+                coli_dn_tile(lv, X + t * ldx + k0, ldx, wp, COLI_DN_LDP, kn, r, c,
+                             accs + ((t - t0) * COLI_DN_OB + (o - o0)) * COLI_DN_L, y + t * ldy + o,
+                             ldy, first, last);
+            }
+        }
+    }
+}
+
+#endif /* COLI_FP4_H */
