@@ -11,6 +11,9 @@ cdef extern from "fp4.h":
     void coli_f4_block(int level, const float* X, coli_idx ldx, const uint8_t* W, const uint8_t* S,
                        coli_idx K, coli_idx t0, coli_idx t1, coli_idx o0, coli_idx o1, float* y,
                        coli_idx ldy, float* scratch) noexcept nogil
+    void coli_f4_init() noexcept nogil
+
+coli_f4_init()      # the scale table, before any product
 
 
 def fp4_level():

@@ -203,6 +203,7 @@ int main(void)
                                     {70, 1030, 101}, {1, 33, 9}, {9, 32, 1}, {2, 1, 2}};
     long c, i, fails = 0;
     int lv;
+    coli_f4_init();
     for (c = 0; c < (long)(sizeof(cases) / sizeof(cases[0])); c++) {
         long T = cases[c][0], K = cases[c][1], O = cases[c][2], ldb = (K + 1) / 2, ng = (K + 31) / 32, t;
         float *x = malloc(sizeof(float) * (size_t)(T * K));
