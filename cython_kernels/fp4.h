@@ -17,15 +17,16 @@
  * So lane j takes, group after group, the low nibble of byte 16g + j, then its high nibble: one
  * 16-lane vector of bytes feeds two FMAs with no interleaving shuffle, and y is bit for bit
  * dense_matmul(x_pos, W_pos) of the permuted float32 arrays (tests/test_fp4.py).  Every variant
- * (AVX-512 one zmm of lanes, AVX2 two ymm, portable / NEON fmaf), every thread count, every row
- * count (decode runs a fused row kernel, many rows decode a panel of W and run dense.h's tiles)
- * and every grouping of matrices gives the same bits.  Partial last groups: the missing columns
+ * (AVX-512 one zmm of lanes, AVX2 two ymm, NEON four q registers, portable fmaf), every thread
+ * count, every row count (decode runs a fused row kernel, many rows decode a panel of W and
+ * run dense.h's tiles) and every grouping of matrices gives the same bits.  Partial last groups: the missing columns
  * are zero products (fma(0, 0, lane) = lane), and the padding nibble of an odd K is never read.
  *
  * Decode per group, AVX-512: the 16 bytes widened to 32-bit lanes, the table scaled once
  * (vmulps), vpermps of the byte (it reads the low 4 bits: the low nibble's code, sign included) and
  * of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so an 8-entry magnitude table and the sign
- * bit moved to bit 31 (coli_f4_half256).
+ * bit moved to bit 31 (coli_f4_half256).  NEON: the scaled table looked up byte-wise
+ * (coli_f4_group_neon), two rows a pass.
  */
 #ifndef COLI_FP4_H
 #define COLI_FP4_H
@@ -147,6 +148,100 @@ COLI_T_AVX2 static void coli_f4_store256(const uint8_t *w, float s, float *out)
 }
 #endif
 
+#if COLI_ARM
+/* NEON: the group's 16 values of the table scaled once (64 bytes, four q registers) and looked up
+ * byte-wise (vqtbl4q_u8): four index bytes 4c .. 4c + 3 per value, from the codes by a spreading
+ * vqtbl1q_u8 and an add.  The table's exact floats, -0 included. */
+typedef struct { uint8x16x4_t tab; } coli_f4_tab_neon;
+
+static inline coli_f4_tab_neon coli_f4_tab(float s)
+{
+    coli_f4_tab_neon t;
+    t.tab.val[0] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1), s));
+    t.tab.val[1] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1 + 4), s));
+    t.tab.val[2] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1 + 8), s));
+    t.tab.val[3] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1 + 12), s));
+    return t;
+}
+
+/* values of codes c4 (= 4 * code, 16 of them) 4q .. 4q + 3 */
+static inline float32x4_t coli_f4_look(const coli_f4_tab_neon *t, uint8x16_t c4, int q)
+{
+    static const uint8_t spread[4][16] = {
+        {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+        {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
+        {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+    static const uint8_t inc[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    uint8x16_t idx = vaddq_u8(vqtbl1q_u8(c4, vld1q_u8(spread[q])), vld1q_u8(inc));
+    return vreinterpretq_f32_u8(vqtbl4q_u8(t->tab, idx));
+}
+
+/* A whole group (16 bytes) into 4 x 4 low-nibble values lo[q] and high-nibble values hi[q]. */
+static inline void coli_f4_group_neon(const uint8_t *w, float s, float32x4_t *lo, float32x4_t *hi)
+{
+    coli_f4_tab_neon t = coli_f4_tab(s);
+    uint8x16_t b = vld1q_u8(w);
+    uint8x16_t l4 = vshlq_n_u8(vandq_u8(b, vdupq_n_u8(15)), 2), h4 = vshlq_n_u8(vshrq_n_u8(b, 4), 2);
+    int q;
+    for (q = 0; q < 4; q++) {
+        lo[q] = coli_f4_look(&t, l4, q);
+        hi[q] = coli_f4_look(&t, h4, q);
+    }
+}
+
+static void coli_f4_store_neon(const uint8_t *w, float s, float *out)
+{
+    float32x4_t lo[4], hi[4];
+    int q;
+    coli_f4_group_neon(w, s, lo, hi);
+    for (q = 0; q < 4; q++) {
+        vst1q_f32(out + 4 * q, lo[q]);
+        vst1q_f32(out + 16 + 4 * q, hi[q]);
+    }
+}
+
+/* Two rows a pass, lanes 4q .. 4q + 3 of a row in accumulator q. */
+static void coli_f4_rows_neon(const float *xp, const uint8_t *W, const uint8_t *S, coli_idx K,
+                              coli_idx o0, coli_idx o1, float *y)
+{
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, o, g;
+    float lanes[COLI_DN_L], v[COLI_F4_G];
+    for (o = o0; o < o1;) {
+        int R = o1 - o >= 2 ? 2 : 1, r, q;
+        float32x4_t a[2][4], lo[4], hi[4];
+        for (r = 0; r < 2; r++)
+            for (q = 0; q < 4; q++)
+                a[r][q] = vdupq_n_f32(0.0f);
+        for (g = 0; g < ng; g++) {
+            const float *xg = xp + COLI_F4_G * g;
+            for (r = 0; r < R; r++) {
+                const uint8_t *wr = W + (o + r) * ldb;
+                float sc = coli_ue8m0(S[(o + r) * ng + g]);
+                if (g < full) {
+                    coli_f4_group_neon(wr + 16 * g, sc, lo, hi);
+                } else {            /* a partial last group: the portable decoder's values */
+                    coli_f4_group_portable(wr, ldb, sc, g, K, v);
+                    for (q = 0; q < 4; q++) {
+                        lo[q] = vld1q_f32(v + 4 * q);
+                        hi[q] = vld1q_f32(v + 16 + 4 * q);
+                    }
+                }
+                for (q = 0; q < 4; q++)
+                    a[r][q] = vfmaq_f32(a[r][q], vld1q_f32(xg + 4 * q), lo[q]);
+                for (q = 0; q < 4; q++)
+                    a[r][q] = vfmaq_f32(a[r][q], vld1q_f32(xg + 16 + 4 * q), hi[q]);
+            }
+        }
+        for (r = 0; r < R; r++) {
+            for (q = 0; q < 4; q++)
+                vst1q_f32(lanes + 4 * q, a[r][q]);
+            y[o + r] = coli_dn_fold(lanes);
+        }
+        o += R;
+    }
+}
+#endif
+
 /* Positions [p0, p0 + n) (p0, n multiples of 32) of weight rows [o, o + c) decoded into
  * P [c][ldp]: the W panel of dense.h's tiles. */
 static void coli_f4_panel(int lv, const uint8_t *W, const uint8_t *S, coli_idx K, coli_idx o, int c,
@@ -165,6 +260,12 @@ static void coli_f4_panel(int lv, const uint8_t *W, const uint8_t *S, coli_idx K
             }
             if (g < full && lv == COLI_AVX2) {
                 coli_f4_store256(w + 16 * g, sc, out);
+                continue;
+            }
+#endif
+#if COLI_ARM
+            if (g < full && lv == COLI_NEON) {
+                coli_f4_store_neon(w + 16 * g, sc, out);
                 continue;
             }
 #endif
@@ -297,6 +398,12 @@ static void coli_f4_rows(int level, const float *xp, const uint8_t *W, const uin
     }
     if (lv == COLI_AVX2) {
         coli_f4_rows256(xp, W, S, K, o0, o1, y);
+        return;
+    }
+#endif
+#if COLI_ARM
+    if (lv == COLI_NEON) {
+        coli_f4_rows_neon(xp, W, S, K, o0, o1, y);
         return;
     }
 #endif

@@ -167,10 +167,16 @@ def test_bad_kernel_arguments_are_one_clear_error():
         qm.fp4_matmul(x[:, :32], c, s, 64)
 
 
-# fp4.h through SIMDe (the variants this CPU lacks), with test_dense_matmul's fused multiply-adds
-# and masked accesses in SIMDe's place, under AddressSanitizer: a read past a row's last byte
-# (codes and scales allocated at their exact sizes) would show
+# fp4.h through SIMDe (the variants this CPU lacks: NEON here), with test_dense_matmul's fused
+# multiply-adds and masked accesses in SIMDe's place (and NEON's vfmaq_f32 fused likewise), under
+# AddressSanitizer: a read past a row's last byte (codes and scales allocated at their exact sizes)
+# would show
 _EMU_FP4 = r"""
+static float32x4_t emu_vfmaq(float32x4_t c, float32x4_t a, float32x4_t b)
+{ float x[4], y[4], z[4]; int i; vst1q_f32(x, a); vst1q_f32(y, b); vst1q_f32(z, c);
+  for (i = 0; i < 4; i++) z[i] = fmaf(x[i], y[i], z[i]); return vld1q_f32(z); }
+#undef vfmaq_f32
+#define vfmaq_f32(c, a, b) emu_vfmaq(c, a, b)
 #include "fp4.h"
 #include <stdio.h>
 #include <stdlib.h>
