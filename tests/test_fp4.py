@@ -19,7 +19,7 @@ from core.container import Container, Weight
 from core.converter import convert
 from core.errors import ColiError
 from models.registry import validate_config
-from tests.conftest import open_engine, run_emulated, write_safetensors
+from tests.conftest import one_error_line, open_engine, run_emulated, write_safetensors
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "oracle" / "fixtures" / "qwen3moe-a"
@@ -335,7 +335,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_malformed_fp4_tensors_are_refused_at_open_or_read_with_one_line(fp4_models, tmp_path):
+def test_malformed_fp4_tensors_are_refused_at_open_or_read_with_one_line(fp4_models, tmp_path, capsys):
     fp4, _ = fp4_models
     name = "model.layers.0.mlp.experts.2.up_proj.weight"
     # a manifest shape the stored bytes do not hold
@@ -351,17 +351,21 @@ def test_malformed_fp4_tensors_are_refused_at_open_or_read_with_one_line(fp4_mod
     (bad / "colibri.json").write_text(json.dumps(m))
     with pytest.raises(ColiError, match=f"tensor {name}: group_size 64"):
         Container(bad)
-    # a NaN scale byte: refused when the expert is read
+    # a NaN scale byte (in every expert's up_proj of layer 0): refused when the expert is read,
+    # and by the command line with one line
     nan = _copy(fp4, tmp_path / "nan")
     c = Container(nan)
-    f, sinfo = c.index[name + ".qs"]
+    places = [c.index[f"model.layers.0.mlp.experts.{e}.up_proj.weight.qs"] for e in range(8)]
     c.close()
-    with open(f.path, "r+b") as fh:
-        fh.seek(sinfo.start + 5)
-        fh.write(b"\xff")
+    for f, sinfo in places:
+        with open(f.path, "r+b") as fh:
+            fh.seek(sinfo.start + 5)
+            fh.write(b"\xff")
     c = Container(nan)
     try:
         with pytest.raises(ColiError, match=f"FP4 tensor {name}: scale byte 255 \\(NaN\\) at row 1, group 2"):
             c.expert_weights(0, 2, c.read_expert(0, 2))
     finally:
         c.close()
+    line = one_error_line(capsys, ["logits", "--model", str(nan), "--ids", "1,2,3", "--out", str(tmp_path / "o.npy")])
+    assert "up_proj.weight: scale byte 255 (NaN) at row 1, group 2" in line
