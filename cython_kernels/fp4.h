@@ -22,10 +22,11 @@
  * run dense.h's tiles) and every grouping of matrices gives the same bits.  Partial last groups: the missing columns
  * are zero products (fma(0, 0, lane) = lane), and the padding nibble of an odd K is never read.
  *
- * Decode per group, AVX-512: the 16 bytes widened to 32-bit lanes, the table scaled once
- * (vmulps), vpermps of the byte (it reads the low 4 bits: the low nibble's code, sign included) and
+ * Decode per group, AVX-512: the 16 bytes widened to 32-bit lanes, the scale byte's row of value
+ * tables (coli_f4_val), vpermps of the byte (it reads the low 4 bits: the low nibble's code, sign
+ * included) and
  * of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so an 8-entry magnitude table and the sign
- * bit moved to bit 31 (coli_f4_half256).  NEON: the scaled table looked up byte-wise
+ * bit moved to bit 31 (coli_f4_half256).  NEON: the value table looked up byte-wise
  * (coli_f4_group_neon), two rows a pass.
  */
 #ifndef COLI_FP4_H
@@ -41,21 +42,30 @@ enum { COLI_F4_R512 = 4 };    /* rows per pass of the AVX-512 one-row kernel */
 static const float coli_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-/* 2^(b - 127) for every UE8M0 byte b: b = 0 the subnormal 2^-127, b = 255 NaN.  A table (one
- * broadcast load per group instead of a decode: ~1.5x the AVX-512 decode speed), filled once by
- * coli_f4_init when the extension loads. */
-static float coli_ue8m0_tab[256];
+/* Every code's value under every scale byte b (2^(b - 127): b = 0 the subnormal 2^-127, b = 255
+ * NaN), float32 products E2M1[c] * 2^(b - 127) (exact, or +-inf), filled once by coli_f4_init when
+ * the extension loads: a group reads its 16 values (64 bytes) straight from here -- AVX-512's
+ * vpermps takes them as its memory operand -- instead of scaling a table per group (one vmulps
+ * per 16 bytes: 0.86-0.90 of the int4 kernel's decode speed on one core, 6 operations per 16
+ * bytes like int4's without it).  coli_f4_val8x: AVX2's 8-entry form (coli_f4_half256). */
+static float coli_f4_val[256][16];
+static uint32_t coli_f4_val8x[256][8];
 
 static void coli_f4_init(void)
 {
-    int b;
+    int b, c;
     for (b = 0; b < 256; b++) {
         uint32_t u = b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : (uint32_t)b << 23;
-        memcpy(&coli_ue8m0_tab[b], &u, sizeof u);
+        float s;
+        memcpy(&s, &u, sizeof u);
+        for (c = 0; c < 16; c++)
+            coli_f4_val[b][c] = coli_e2m1[c] * s;
+        for (c = 0; c < 8; c++) {
+            memcpy(&coli_f4_val8x[b][c], &coli_f4_val[b][c], sizeof u);
+            coli_f4_val8x[b][c] ^= (uint32_t)c << 28;
+        }
     }
 }
-
-#define coli_ue8m0(b) (coli_ue8m0_tab[(uint8_t)(b)])
 
 /* Positions per row: K rounded up to whole groups. */
 static coli_idx coli_f4_kp(coli_idx K)
@@ -89,29 +99,30 @@ static void coli_f4_lay_x(const float *x, coli_idx K, coli_idx t0, coli_idx t1, 
 
 /* Group g of a row (bytes w, ldb = ceil(K/2) a row) decoded into positions out[0..32): exact
  * values, zeros past K. */
-static void coli_f4_group_portable(const uint8_t *w, coli_idx ldb, float s, coli_idx g, coli_idx K,
+static void coli_f4_group_portable(const uint8_t *w, coli_idx ldb, uint8_t sb, coli_idx g, coli_idx K,
                                    float *out)
 {
+    const float *v = coli_f4_val[sb];
     int j;
     for (j = 0; j < 16; j++) {
         coli_idx col = COLI_F4_G * g + 2 * j, byte = col / 2;
         uint8_t b = byte < ldb ? w[byte] : 0;
-        out[j] = col < K ? coli_e2m1[b & 15] * s : 0.0f;
-        out[16 + j] = col + 1 < K ? coli_e2m1[b >> 4] * s : 0.0f;
+        out[j] = col < K ? v[b & 15] : 0.0f;
+        out[16 + j] = col + 1 < K ? v[b >> 4] : 0.0f;
     }
 }
 
 #if COLI_X86
-COLI_T_AVX512 static inline void coli_f4_group512(const uint8_t *w, float s, __m512 *lo, __m512 *hi)
+COLI_T_AVX512 static inline void coli_f4_group512(const uint8_t *w, uint8_t sb, __m512 *lo, __m512 *hi)
 {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    __m512 lut = _mm512_mul_ps(_mm512_loadu_ps(coli_e2m1), _mm512_set1_ps(s));
+    __m512 lut = _mm512_loadu_ps(coli_f4_val[sb]);
     *lo = _mm512_permutexvar_ps(b, lut);
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
 }
 
 /* 8 bytes: lo / hi are the values of their low / high nibbles (lanes 0-7).  vpermps reads 3 bits
- * of a lane; the table (coli_f4_lut256) holds entry c as the bits of |E2M1[c]| * s xor c << 28,
+ * of a lane; the table (coli_f4_val8x) holds entry c as the bits of |E2M1[c]| * s xor c << 28,
  * so that xoring the code << 28 back (bits 0-3 of the lane; the rest shift out) leaves the value
  * with the code's bit 3 as its sign: three operations per 8 values, no and. */
 COLI_T_AVX2 static inline void coli_f4_half256(const uint8_t *w, __m256 lut, __m256 *lo, __m256 *hi)
@@ -121,24 +132,23 @@ COLI_T_AVX2 static inline void coli_f4_half256(const uint8_t *w, __m256 lut, __m
     *hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, h), _mm256_castsi256_ps(_mm256_slli_epi32(h, 28)));
 }
 
-COLI_T_AVX2 static inline __m256 coli_f4_lut256(float s)
+COLI_T_AVX2 static inline __m256 coli_f4_lut256(uint8_t sb)
 {
-    const __m256i c28 = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
-    return _mm256_xor_ps(_mm256_mul_ps(_mm256_loadu_ps(coli_e2m1), _mm256_set1_ps(s)), _mm256_castsi256_ps(c28));
+    return _mm256_loadu_ps((const float *)coli_f4_val8x[sb]);
 }
 
 /* A whole group's 32 values into out, in positions. */
-COLI_T_AVX512 static void coli_f4_store512(const uint8_t *w, float s, float *out)
+COLI_T_AVX512 static void coli_f4_store512(const uint8_t *w, uint8_t sb, float *out)
 {
     __m512 lo, hi;
-    coli_f4_group512(w, s, &lo, &hi);
+    coli_f4_group512(w, sb, &lo, &hi);
     _mm512_storeu_ps(out, lo);
     _mm512_storeu_ps(out + 16, hi);
 }
 
-COLI_T_AVX2 static void coli_f4_store256(const uint8_t *w, float s, float *out)
+COLI_T_AVX2 static void coli_f4_store256(const uint8_t *w, uint8_t sb, float *out)
 {
-    __m256 lut = coli_f4_lut256(s), lo, hi;
+    __m256 lut = coli_f4_lut256(sb), lo, hi;
     int h;
     for (h = 0; h < 2; h++) {
         coli_f4_half256(w + 8 * h, lut, &lo, &hi);
@@ -149,18 +159,17 @@ COLI_T_AVX2 static void coli_f4_store256(const uint8_t *w, float s, float *out)
 #endif
 
 #if COLI_ARM
-/* NEON: the group's 16 values of the table scaled once (64 bytes, four q registers) and looked up
- * byte-wise (vqtbl4q_u8): four index bytes 4c .. 4c + 3 per value, from the codes by a spreading
+/* NEON: the group's 16 values (coli_f4_val, 64 bytes, four q registers) looked up byte-wise
+ * (vqtbl4q_u8): four index bytes 4c .. 4c + 3 per value, from the codes by a spreading
  * vqtbl1q_u8 and an add.  The table's exact floats, -0 included. */
 typedef struct { uint8x16x4_t tab; } coli_f4_tab_neon;
 
-static inline coli_f4_tab_neon coli_f4_tab(float s)
+static inline coli_f4_tab_neon coli_f4_tab(uint8_t sb)
 {
     coli_f4_tab_neon t;
-    t.tab.val[0] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1), s));
-    t.tab.val[1] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1 + 4), s));
-    t.tab.val[2] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1 + 8), s));
-    t.tab.val[3] = vreinterpretq_u8_f32(vmulq_n_f32(vld1q_f32(coli_e2m1 + 12), s));
+    int q;
+    for (q = 0; q < 4; q++)
+        t.tab.val[q] = vld1q_u8((const uint8_t *)(coli_f4_val[sb] + 4 * q));
     return t;
 }
 
@@ -177,9 +186,9 @@ static inline float32x4_t coli_f4_look(const coli_f4_tab_neon *t, uint8x16_t c4,
 }
 
 /* A whole group (16 bytes) into 4 x 4 low-nibble values lo[q] and high-nibble values hi[q]. */
-static inline void coli_f4_group_neon(const uint8_t *w, float s, float32x4_t *lo, float32x4_t *hi)
+static inline void coli_f4_group_neon(const uint8_t *w, uint8_t sb, float32x4_t *lo, float32x4_t *hi)
 {
-    coli_f4_tab_neon t = coli_f4_tab(s);
+    coli_f4_tab_neon t = coli_f4_tab(sb);
     uint8x16_t b = vld1q_u8(w);
     uint8x16_t l4 = vshlq_n_u8(vandq_u8(b, vdupq_n_u8(15)), 2), h4 = vshlq_n_u8(vshrq_n_u8(b, 4), 2);
     int q;
@@ -189,11 +198,11 @@ static inline void coli_f4_group_neon(const uint8_t *w, float s, float32x4_t *lo
     }
 }
 
-static void coli_f4_store_neon(const uint8_t *w, float s, float *out)
+static void coli_f4_store_neon(const uint8_t *w, uint8_t sb, float *out)
 {
     float32x4_t lo[4], hi[4];
     int q;
-    coli_f4_group_neon(w, s, lo, hi);
+    coli_f4_group_neon(w, sb, lo, hi);
     for (q = 0; q < 4; q++) {
         vst1q_f32(out + 4 * q, lo[q]);
         vst1q_f32(out + 16 + 4 * q, hi[q]);
@@ -216,7 +225,7 @@ static void coli_f4_rows_neon(const float *xp, const uint8_t *W, const uint8_t *
             const float *xg = xp + COLI_F4_G * g;
             for (r = 0; r < R; r++) {
                 const uint8_t *wr = W + (o + r) * ldb;
-                float sc = coli_ue8m0(S[(o + r) * ng + g]);
+                uint8_t sc = S[(o + r) * ng + g];
                 if (g < full) {
                     coli_f4_group_neon(wr + 16 * g, sc, lo, hi);
                 } else {            /* a partial last group: the portable decoder's values */
@@ -252,7 +261,8 @@ static void coli_f4_panel(int lv, const uint8_t *W, const uint8_t *S, coli_idx K
     for (r = 0; r < c; r++) {
         const uint8_t *w = W + (o + r) * ldb, *s = S + (o + r) * ng;
         for (g = p0 / COLI_F4_G; g < (p0 + n) / COLI_F4_G; g++) {
-            float sc = coli_ue8m0(s[g]), *out = P + r * ldp + (COLI_F4_G * g - p0);
+            uint8_t sc = s[g];
+            float *out = P + r * ldp + (COLI_F4_G * g - p0);
 #if COLI_X86
             if (g < full && lv == COLI_AVX512) {
                 coli_f4_store512(w + 16 * g, sc, out);
@@ -288,7 +298,7 @@ static void coli_f4_rows_portable(const float *xp, const uint8_t *W, const uint8
             a[j] = 0.0f;
         for (g = 0; g < ng; g++) {
             const float *xg = xp + COLI_F4_G * g;
-            coli_f4_group_portable(W + o * ldb, ldb, coli_ue8m0(S[o * ng + g]), g, K, v);
+            coli_f4_group_portable(W + o * ldb, ldb, S[o * ng + g], g, K, v);
             for (j = 0; j < COLI_DN_L; j++)
                 a[j] = fmaf(xg[j], v[j], a[j]);
             for (j = 0; j < COLI_DN_L; j++)
@@ -321,7 +331,7 @@ COLI_T_AVX512 static void coli_f4_rows512(const float *xp, const uint8_t *W, con
                     __m512 lo, hi;
                     if ((g & 3) == 0)     /* the next pass's rows, one line in four groups */
                         _mm_prefetch((const char *)(W + (o + r + COLI_F4_R512) * ldb + 16 * g), _MM_HINT_T0);
-                    coli_f4_group512(W + (o + r) * ldb + 16 * g, coli_ue8m0(S[(o + r) * ng + g]), &lo, &hi);
+                    coli_f4_group512(W + (o + r) * ldb + 16 * g, S[(o + r) * ng + g], &lo, &hi);
                     a[r] = _mm512_fmadd_ps(xe, lo, a[r]);
                     a[r] = _mm512_fmadd_ps(xo, hi, a[r]);
                 }
@@ -330,7 +340,7 @@ COLI_T_AVX512 static void coli_f4_rows512(const float *xp, const uint8_t *W, con
         for (r = 0; r < R; r++) {
             if (g < ng) {
                 float v[COLI_F4_G];
-                coli_f4_group_portable(W + (o + r) * ldb, ldb, coli_ue8m0(S[(o + r) * ng + g]), g, K, v);
+                coli_f4_group_portable(W + (o + r) * ldb, ldb, S[(o + r) * ng + g], g, K, v);
                 a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + COLI_F4_G * g), _mm512_loadu_ps(v), a[r]);
                 a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + COLI_F4_G * g + 16), _mm512_loadu_ps(v + 16), a[r]);
             }
@@ -356,7 +366,7 @@ COLI_T_AVX2 static void coli_f4_rows256(const float *xp, const uint8_t *W, const
             for (r = 0; r < 2; r++) {
                 if (r < R) {
                     const uint8_t *wg = W + (o + r) * ldb + 16 * g;
-                    __m256 lut = coli_f4_lut256(coli_ue8m0(S[(o + r) * ng + g])), lo, hi;
+                    __m256 lut = coli_f4_lut256(S[(o + r) * ng + g]), lo, hi;
                     if ((g & 3) == 0)     /* the next pass's rows, as the AVX-512 kernel */
                         _mm_prefetch((const char *)(wg + 2 * ldb), _MM_HINT_T0);
 #pragma GCC unroll 2
@@ -371,7 +381,7 @@ COLI_T_AVX2 static void coli_f4_rows256(const float *xp, const uint8_t *W, const
         for (r = 0; r < R; r++) {
             if (g < ng) {
                 float v[COLI_F4_G];
-                coli_f4_group_portable(W + (o + r) * ldb, ldb, coli_ue8m0(S[(o + r) * ng + g]), g, K, v);
+                coli_f4_group_portable(W + (o + r) * ldb, ldb, S[(o + r) * ng + g], g, K, v);
                 for (h = 0; h < 2; h++) {
                     a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + COLI_F4_G * g + 8 * h),
                                               _mm256_loadu_ps(v + 8 * h), a[r][h]);
