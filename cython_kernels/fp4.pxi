@@ -63,76 +63,82 @@ def fp4_matmul_many(x, mats, int cols, rows=None, outs=None):
         checked.append((w, s))
         res.append(_out(None if outs is None else outs[m], tn, w.shape[0], False))
     live = [m for m in range(n) if rows[m][1] > 0 and checked[m][0].shape[0] > 0]
-    if not live:
-        return res
-    # work blocks (matrix, t0, t1, o0, o1, one row): one row in COLI_F4_RB weight rows, more in
-    # dense.h's blocks of COLI_DN_TB rows x COLI_DN_OB outputs (t from the matrix's first row)
-    blocks = []
-    for i, m in enumerate(live):
-        tn, O = rows[m][1], checked[m][0].shape[0]
-        tb, ob = (1, int(COLI_F4_RB)) if tn == 1 else (int(COLI_DN_TB), int(COLI_DN_OB))
-        blocks += [(i, t, min(t + tb, tn), o, min(o + ob, O), tn == 1)
-                   for o in range(0, O, ob) for t in range(0, tn, tb)]
-    _fp4_run(x, [checked[m] for m in live], [res[m] for m in live],
-             np.array([rows[m][0] for m in live], dtype=np.intp),
-             np.array(blocks, dtype=np.intp).reshape(-1, 6), cols,
-             any(rows[m][1] > 1 for m in live))
+    if live:
+        _fp4_run(x, [checked[m] for m in live], [res[m] for m in live],
+                 np.array([rows[m] for m in live], dtype=np.intp).reshape(-1, 2), cols)
     return res
 
 
-cdef int _fp4_run(const float[:, ::1] x, list mats, list outs, const Py_ssize_t[::1] t0s,
-                  const Py_ssize_t[:, ::1] blk, Py_ssize_t K, bint many) except -1:
-    cdef int nmat = len(mats), m, lv = _level, nt = _threads_for(blk.shape[0])
-    cdef Py_ssize_t T = x.shape[0], ldx = coli_f4_ldx(K), nb = blk.shape[0], b, per
+cdef int _fp4_run(const float[:, ::1] x, list mats, list outs, const Py_ssize_t[:, ::1] rows,
+                  Py_ssize_t K) except -1:
+    """Work blocks: a matrix on one row in COLI_F4_RB weight rows (the fused kernel), on more in
+    dense.h's blocks of COLI_DN_TB rows x COLI_DN_OB outputs; block b belongs to the matrix whose
+    range of block numbers (bstart) holds it."""
+    cdef int nmat = len(mats), m, lv = _level, nt
+    cdef Py_ssize_t T = x.shape[0], ldx = coli_f4_ldx(K), nb = 0, b, per
+    cdef bint many = False
     cdef const unsigned char[:, ::1] w
     cdef const unsigned char[:, ::1] s
     cdef float[:, ::1] y
     cdef void** p = <void**>malloc(<size_t>(3 * nmat) * sizeof(void*))
-    cdef Py_ssize_t* Os = <Py_ssize_t*>malloc(<size_t>nmat * sizeof(Py_ssize_t))
+    cdef Py_ssize_t* meta = <Py_ssize_t*>malloc(<size_t>(3 * nmat) * sizeof(Py_ssize_t))
     cdef float* X = <float*>_amalloc(<size_t>(T * ldx) * sizeof(float))
     cdef float* base = NULL
-    # each thread's lanes between k panels and its decoded W panel (dense.h); none for one row
-    per = _up(<Py_ssize_t>coli_dn_scratch_floats(2 if many else 1, K), 16) + 16
-    base = <float*>_amalloc(<size_t>(nt * per) * sizeof(float))
     try:
-        if p == NULL or Os == NULL or X == NULL or base == NULL:
+        if p == NULL or meta == NULL or X == NULL:
             raise MemoryError()
-        for m in range(nmat):
+        for m in range(nmat):       # meta: O, token blocks, first block number of each matrix
             w = mats[m][0]
             s = mats[m][1]
             y = outs[m]
             p[m] = <void*>&w[0, 0]
             p[nmat + m] = <void*>&s[0, 0]
             p[2 * nmat + m] = <void*>&y[0, 0]
-            Os[m] = w.shape[0]
+            meta[m] = w.shape[0]
+            meta[nmat + m] = 1 if rows[m, 1] == 1 else (rows[m, 1] + COLI_DN_TB - 1) // COLI_DN_TB
+            meta[2 * nmat + m] = nb
+            nb += meta[nmat + m] * ((w.shape[0] + COLI_F4_RB - 1) // COLI_F4_RB if rows[m, 1] == 1
+                                    else (w.shape[0] + COLI_DN_OB - 1) // COLI_DN_OB)
+            many = many or rows[m, 1] > 1
+        nt = _threads_for(nb)
+        # each thread's lanes between k panels and its decoded W panel (dense.h); none for one row
+        per = _up(<Py_ssize_t>coli_dn_scratch_floats(2 if many else 1, K), 16) + 16
+        base = <float*>_amalloc(<size_t>(nt * per) * sizeof(float))
+        if base == NULL:
+            raise MemoryError()
         if nt == 1:
             with nogil:
                 coli_f4_lay_x(&x[0, 0], K, 0, T, X, ldx)
                 for b in range(nb):
-                    _fp4_block(lv, b, blk, X, ldx, K, p, nmat, Os, t0s, base)
+                    _fp4_block(lv, b, X, ldx, K, p, nmat, meta, rows, base)
         else:
             with nogil, parallel(num_threads=nt):
                 for b in prange(T, schedule="static"):
                     coli_f4_lay_x(&x[0, 0], K, b, b + 1, X, ldx)
                 for b in prange(nb, schedule="dynamic"):
-                    _fp4_block(lv, b, blk, X, ldx, K, p, nmat, Os, t0s, base + threadid() * per)
+                    _fp4_block(lv, b, X, ldx, K, p, nmat, meta, rows, base + threadid() * per)
     finally:
         _afree(base)
         _afree(X)
-        free(Os)
+        free(meta)
         free(p)
     return 0
 
 
-cdef inline void _fp4_block(int lv, Py_ssize_t b, const Py_ssize_t[:, ::1] blk, const float* X,
-                            Py_ssize_t ldx, Py_ssize_t K, void** p, int nmat, const Py_ssize_t* Os,
-                            const Py_ssize_t[::1] t0s, float* scratch) noexcept nogil:
-    cdef Py_ssize_t m = blk[b, 0], t0 = blk[b, 1], t1 = blk[b, 2], o0 = blk[b, 3], o1 = blk[b, 4]
-    cdef const float* xm = X + t0s[m] * ldx
+cdef inline void _fp4_block(int lv, Py_ssize_t b, const float* X, Py_ssize_t ldx, Py_ssize_t K,
+                            void** p, int nmat, const Py_ssize_t* meta,
+                            const Py_ssize_t[:, ::1] rows, float* scratch) noexcept nogil:
+    cdef Py_ssize_t m = _owner(meta + 2 * nmat, nmat, b), O = meta[m], ntb = meta[nmat + m]
+    cdef Py_ssize_t local = b - meta[2 * nmat + m], tn = rows[m, 1], t0, o0
+    cdef const float* xm = X + rows[m, 0] * ldx
     cdef const uint8_t* W = <const uint8_t*>p[m]
     cdef const uint8_t* S = <const uint8_t*>p[nmat + m]
     cdef float* y = <float*>p[2 * nmat + m]
-    if blk[b, 5]:
-        coli_f4_rows(lv, xm, W, S, K, o0, o1, y)
+    if tn == 1:
+        o0 = local * COLI_F4_RB
+        coli_f4_rows(lv, xm, W, S, K, o0, min(o0 + COLI_F4_RB, O), y)
     else:
-        coli_f4_block(lv, xm, ldx, W, S, K, t0, t1, o0, o1, y, Os[m], scratch)
+        t0 = (local % ntb) * COLI_DN_TB
+        o0 = (local // ntb) * COLI_DN_OB
+        coli_f4_block(lv, xm, ldx, W, S, K, t0, min(t0 + COLI_DN_TB, tn), o0, min(o0 + COLI_DN_OB, O),
+                      y, O, scratch)
