@@ -1,9 +1,10 @@
 """The colibrì container: a directory of safetensors shards plus a ``colibri.json`` manifest.
 
 Tensor names are the source's. A quantized tensor NAME is U8 ``NAME`` + ``NAME.qs``, its scales:
-F32 for int4 / int8, U8 (UE8M0 bytes) for FP4 (see ``core.quant``); the manifest's ``tensors`` map gives each quantized tensor's scheme, logical shape
-and group size. Each routed expert's tensors form one contiguous byte range of one shard, so the
-expert store fetches an expert with one read.
+F32 for int4 / int8, U8 (UE8M0 bytes) for FP4 (see ``core.quant``); the manifest's ``tensors``
+map gives each quantized tensor's scheme, logical shape and group size. Each routed expert's
+tensors form one contiguous byte range of one shard, so the expert store fetches an expert with
+one read.
 """
 from __future__ import annotations
 

@@ -620,7 +620,7 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
 def _class_summary(bits: int, group_size: int, fp4: bool = False) -> dict[str, str]:
     experts = {"routed_experts": f"{quant.FP4} (E2M1, a UE8M0 scale per 32)"} if fp4 else {}
     if bits == 16:
-        return {"all": "source dtype (nothing quantized)", **experts}
+        return {"all": f"source dtype (nothing {'else ' if fp4 else ''}quantized)", **experts}
     main = f"int4-g{group_size}" if bits == 4 else "int8-row"
     return {"routed_experts": main, "shared_experts": main, "attention": main, "dense_mlp": main,
             "embeddings": "int8-row", "lm_head": "int8-row", "norms_router_biases": "f32", **experts}
