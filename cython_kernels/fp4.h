@@ -37,7 +37,7 @@
 
 enum { COLI_F4_G = 32 };      /* columns per scale */
 enum { COLI_F4_RB = 64 };     /* weight rows per work block of a one-row product */
-enum { COLI_F4_R512 = 4 };    /* rows per pass of the AVX-512 one-row kernel */
+enum { COLI_F4_R512 = 4 };    /* row streams per pass of the AVX-512 one-row kernel */
 
 static const float coli_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -309,44 +309,50 @@ static void coli_f4_rows_portable(const float *xp, const uint8_t *W, const uint8
 }
 
 #if COLI_X86
-/* Rows four at a time (one x load per group feeds them), the last ones alone; a partial last
- * group decoded by the portable routine (the same values).  Each row is asked for one pass ahead
- * (the lines of rows o + 4 .. o + 7 at the current offset): with 512 bytes ahead in the row
- * instead, 32768 x 4096 (DRAM) read at 0.4-0.5 of the int4 kernel's GB/s, with the next pass's
- * rows at 0.9 (2 rows a pass: 0.65-0.87; one thread, loaded machine). */
+/* Four row streams a pass (rows o0 + r q + i of a block of 4 q rows: one x load per group feeds
+ * them), the rows left over alone; a partial last group decoded by the portable routine (the same
+ * values).  Each stream asks for its next row one pass ahead, one prefetch per line.  One thread,
+ * loaded machine, GB/s against the int4 kernel's: 4 adjacent rows with 512 bytes ahead in the row
+ * 0.4-0.5 at 32768 x 4096 (DRAM); the next pass's rows prefetched 0.9, but 0.74 at 151936 x 2048;
+ * 4 streams a quarter of the block apart (as int4's rows r and r + half) 0.93-1.0 at both and
+ * ~1.0 at 7168 x 2048 (L3); 2 streams 0.88-0.92. */
 COLI_T_AVX512 static void coli_f4_rows512(const float *xp, const uint8_t *W, const uint8_t *S,
                                           coli_idx K, coli_idx o0, coli_idx o1, float *y)
 {
-    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, o, g;
-    for (o = o0; o < o1;) {
-        int R = o1 - o >= COLI_F4_R512 ? COLI_F4_R512 : 1, r;
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, i, g;
+    coli_idx q = (o1 - o0) / COLI_F4_R512, o;     /* stream r: rows o0 + r q .. o0 + (r + 1) q - 1 */
+    for (i = 0; i < q + (o1 - o0) % COLI_F4_R512; i++) {
+        int R = i < q ? COLI_F4_R512 : 1, r;
+        coli_idx rows[COLI_F4_R512];
         __m512 a[COLI_F4_R512];
-        for (r = 0; r < COLI_F4_R512; r++)
+        for (r = 0; r < COLI_F4_R512; r++) {
+            rows[r] = i < q ? o0 + r * q + i : o0 + COLI_F4_R512 * q + (i - q);
             a[r] = _mm512_setzero_ps();
+        }
         for (g = 0; g < full; g++) {
             __m512 xe = _mm512_loadu_ps(xp + COLI_F4_G * g), xo = _mm512_loadu_ps(xp + COLI_F4_G * g + 16);
 #pragma GCC unroll 4
             for (r = 0; r < COLI_F4_R512; r++) {
                 if (r < R) {
                     __m512 lo, hi;
-                    if ((g & 3) == 0)     /* the next pass's rows, one line in four groups */
-                        _mm_prefetch((const char *)(W + (o + r + COLI_F4_R512) * ldb + 16 * g), _MM_HINT_T0);
-                    coli_f4_group512(W + (o + r) * ldb + 16 * g, S[(o + r) * ng + g], &lo, &hi);
+                    if ((g & 3) == 0)     /* the stream's next row, one line in four groups */
+                        _mm_prefetch((const char *)(W + (rows[r] + 1) * ldb + 16 * g), _MM_HINT_T0);
+                    coli_f4_group512(W + rows[r] * ldb + 16 * g, S[rows[r] * ng + g], &lo, &hi);
                     a[r] = _mm512_fmadd_ps(xe, lo, a[r]);
                     a[r] = _mm512_fmadd_ps(xo, hi, a[r]);
                 }
             }
         }
         for (r = 0; r < R; r++) {
+            o = rows[r];
             if (g < ng) {
                 float v[COLI_F4_G];
-                coli_f4_group_portable(W + (o + r) * ldb, ldb, S[(o + r) * ng + g], g, K, v);
+                coli_f4_group_portable(W + o * ldb, ldb, S[o * ng + g], g, K, v);
                 a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + COLI_F4_G * g), _mm512_loadu_ps(v), a[r]);
                 a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + COLI_F4_G * g + 16), _mm512_loadu_ps(v + 16), a[r]);
             }
-            y[o + r] = coli_dn_fold512(a[r]);
+            y[o] = coli_dn_fold512(a[r]);
         }
-        o += R;
     }
 }
 
