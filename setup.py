@@ -116,7 +116,8 @@ extensions = cythonize(
                                                        "cython_kernels/linear_attention.h", "cython_kernels/linear_ops.pxi",
                                                        "cython_kernels/kda_block.h", "cython_kernels/kda_ops.pxi",
                                                        "cython_kernels/prefill.h", "cython_kernels/prefill.pxi",
-                                                       "cython_kernels/dense.h", "cython_kernels/dense.pxi"])],
+                                                       "cython_kernels/dense.h", "cython_kernels/dense.pxi",
+                                                       "cython_kernels/fp4.h", "cython_kernels/fp4.pxi"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False},
 )
 

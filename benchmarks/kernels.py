@@ -6,7 +6,9 @@ same thread count (benchmarks/common.ram_read_gbps, best of several measurements
 run, because this kind of machine is often shared) -> ratio. The goal is ratio >= 0.85 for the
 matrices far bigger than the last-level cache (151936 x 2048); the small ones fit in L2/L3, so
 their ratio can exceed 1. ``int4 i8x`` rows: the opt-in int8-activation path
-(``set_int8_activations``), not the default.
+(``set_int8_activations``), not the default. ``fp4`` rows: ``fp4_matmul`` over E2M1 codes + a
+UE8M0 byte per 32 (core.quant.FP4, the routed experts DeepSeek V4 / Kimi K3 ship), and at the end
+its share of the read bandwidth against the int4 kernel's on the same shape and thread count.
 
 Prefill (T > 1): GFLOP/s (2 * O * I * T / s), next to numpy sgemm on the float32 matrix of the
 same shape (OpenBLAS with its own default threads).
@@ -37,6 +39,9 @@ def _weights(O, I, kind, rng):
     if kind.startswith("int4"):
         w = rng.integers(0, 256, size=(O, (I + 1) // 2), dtype=np.uint8)
         s = rng.uniform(0.001, 0.01, size=(O, -(-I // GS))).astype(np.float32)
+    elif kind == "fp4":
+        w = rng.integers(0, 256, size=(O, (I + 1) // 2), dtype=np.uint8)
+        s = rng.integers(110, 130, size=(O, -(-I // 32)), dtype=np.uint8)
     else:
         w = rng.integers(-127, 128, size=(O, I), dtype=np.int8)
         s = rng.uniform(0.001, 0.01, size=O).astype(np.float32)
@@ -97,7 +102,7 @@ def main(argv=None):
     # shared machine a burst of other work then spoils one round, not the figure
     cases = []
     for v in variants:
-        for kind in ("int4", "int4 i8x", "int8"):
+        for kind in ("int4", "int4 i8x", "int8", "fp4"):
             if kind == "int4 i8x" and v == "portable":
                 continue
             for O, I in shapes:
@@ -114,6 +119,8 @@ def main(argv=None):
             w, s, O, I = c["w"], c["s"], c["O"], c["I"]
             if c["kind"].startswith("int4"):
                 run = lambda xx: qm.q4_matmul(xx, w, s, I, GS)  # noqa: E731
+            elif c["kind"] == "fp4":
+                run = lambda xx: qm.fp4_matmul(xx, w, s, I)  # noqa: E731
             else:
                 run = lambda xx: qm.q8_matmul(xx, w, s)  # noqa: E731
             for t in threads:
@@ -157,6 +164,12 @@ def main(argv=None):
     if a.prefill:
         print(f"(prefill columns: GFLOP/s at T={a.prefill}; sgemm: numpy float32 x @ W.T, same "
               f"shape, OpenBLAS default threads)")
+    q4 = {(v, O, I): dec for v, kind, O, I, _, dec, _, _ in rows if kind == "int4"}
+    print("\nfp4 decode: its share of the read bandwidth / the int4 kernel's (same shape, threads)")
+    for v, kind, O, I, _, dec, _, _ in rows:
+        if kind == "fp4":
+            print(f"{v:8} {f'{O}x{I}':>12}" + "".join(
+                f"  {t}T {dec[t] / q4[(v, O, I)][t]:.2f}" for t in threads))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """The colibrì container: a directory of safetensors shards plus a ``colibri.json`` manifest.
 
-Tensor names are the source's. A quantized tensor NAME is U8 ``NAME`` + F32 ``NAME.qs`` (see
-``core.quant``); the manifest's ``tensors`` map gives each quantized tensor's scheme, logical shape
-and group size. Each routed expert's tensors form one contiguous byte range of one shard, so the
-expert store fetches an expert with one read. The routed experts are found by the pattern the
-converter recorded from the family's layout (``expert_pattern``; containers made before it was
-recorded use the default, core.layout.EXPERT_REGEX).
+Tensor names are the source's. A quantized tensor NAME is U8 ``NAME`` + ``NAME.qs``, its scales:
+F32 for int4 / int8, U8 (UE8M0 bytes) for FP4 (see ``core.quant``); the manifest's ``tensors``
+map gives each quantized tensor's scheme, logical shape and group size. Each routed expert's
+tensors form one contiguous byte range of one shard, so the expert store fetches an expert with
+one read. The routed experts are found by the pattern the converter recorded from the family's
+layout (``expert_pattern``; containers made before it was recorded use the default,
+core.layout.EXPERT_REGEX).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import quant
 from .errors import ColiError
 from .layout import ExpertPattern, check_recorded_pattern, layer_of
 from .safetensors_io import DTYPES, FLOAT_DTYPES, SafetensorsFile, TensorInfo, to_float32
@@ -34,7 +36,7 @@ def tensor_place(name: str, experts: ExpertPattern = ExpertPattern()) -> tuple[i
 
 @dataclass(frozen=True)
 class QuantInfo:
-    scheme: str                 # 'int4' | 'int8'
+    scheme: str                 # 'int4' | 'int8' | quant.FP4
     shape: tuple[int, int]      # logical [O, I]
     group_size: int = 0
 
@@ -42,7 +44,7 @@ class QuantInfo:
 @dataclass
 class Weight:
     """A matrix or vector in RAM: dense float32, or quantized bytes + scales."""
-    scheme: str                 # 'dense' | 'int4' | 'int8'
+    scheme: str                 # 'dense' | 'int4' | 'int8' | quant.FP4 (scales: UE8M0 bytes)
     shape: tuple[int, ...]
     data: np.ndarray
     scales: np.ndarray | None = None
@@ -89,7 +91,11 @@ def weight_from_bytes(info: TensorInfo, raw: memoryview | bytes, qinfo: QuantInf
         if info.dtype != "F32":
             arr = to_float32(arr, info.dtype)
         return Weight("dense", info.shape, arr)
-    scales = np.frombuffer(scales_raw, dtype=np.float32).reshape(scales_info.shape)
+    if qinfo.scheme == quant.FP4:      # every read of FP4 bytes is checked for NaN scales (cheap)
+        scales = np.frombuffer(scales_raw, dtype=np.uint8).reshape(scales_info.shape)
+        quant.check_fp4(info.name, arr, scales, qinfo.shape[1])
+    else:
+        scales = np.frombuffer(scales_raw, dtype=np.float32).reshape(scales_info.shape)
     return Weight(qinfo.scheme, qinfo.shape, arr, scales, qinfo.group_size)
 
 
@@ -107,7 +113,7 @@ def _quant_entries(path: Path, tensors) -> dict[str, QuantInfo]:
         if not isinstance(q, dict):
             raise bad("entry is not a JSON object")
         scheme, shape, gs = q.get("scheme"), q.get("shape"), q.get("group_size", 0)
-        if scheme not in ("int4", "int8"):
+        if scheme not in ("int4", "int8", quant.FP4):
             raise bad(f"unknown scheme {scheme!r}")
         if (not isinstance(shape, list) or len(shape) != 2
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
@@ -115,7 +121,9 @@ def _quant_entries(path: Path, tensors) -> dict[str, QuantInfo]:
         if scheme == "int4" and not (isinstance(gs, int) and not isinstance(gs, bool)
                                      and 2 <= gs <= MAX_GROUP_SIZE and gs % 2 == 0):
             raise bad(f"group_size {gs!r} is not an even integer in 2..{MAX_GROUP_SIZE}")
-        out[name] = QuantInfo(scheme, (shape[0], shape[1]), gs if scheme == "int4" else 0)
+        if scheme == quant.FP4 and gs != quant.FP4_GROUP:
+            raise bad(f"group_size {gs!r}: {quant.FP4} has one scale per {quant.FP4_GROUP}")
+        out[name] = QuantInfo(scheme, (shape[0], shape[1]), gs if scheme != "int8" else 0)
     return out
 
 
@@ -218,6 +226,16 @@ class Container:
                 raise ColiError(f"{self.path}: quantized tensor {name} has no scales ({name}.qs)")
             info, sinfo = self.index[name][1], self.index[name + ".qs"][1]
             rows, cols = q.shape
+            if q.scheme == quant.FP4:
+                why = quant.fp4_layout_error(rows, cols, (info.dtype, info.shape),
+                                             (sinfo.dtype, sinfo.shape))
+                if why is not None or info.dtype != "U8" or sinfo.dtype != "U8":
+                    want = quant.fp4_shapes(rows, cols)
+                    raise ColiError(f"{self.path}: FP4 tensor {name} [{rows}, {cols}] is stored as "
+                                    f"{info.dtype} {list(info.shape)} + {sinfo.dtype} "
+                                    f"{list(sinfo.shape)} scales; {MANIFEST} needs U8 {list(want[0])} "
+                                    f"+ U8 {list(want[1])}")
+                continue
             if q.scheme == "int4":
                 want = ((rows, (cols + 1) // 2), (rows, -(-cols // q.group_size)))
             else:
@@ -295,7 +313,8 @@ class Container:
         if q is None:
             return Weight("dense", info.shape, rows)
         sf, sinfo = self.index[name + ".qs"]
-        scales = np.frombuffer(sf.pread(sinfo.nbytes, sinfo.start), dtype=np.float32).reshape(sinfo.shape)
+        scales = np.frombuffer(sf.pread(sinfo.nbytes, sinfo.start),
+                               dtype=np.uint8 if q.scheme == quant.FP4 else np.float32).reshape(sinfo.shape)
         return Weight(q.scheme, q.shape, rows, scales, q.group_size)
 
     def expert_weights(self, layer: int, expert: int, blob) -> dict[str, Weight]:

@@ -106,10 +106,13 @@ class _Source:
 @dataclass
 class _Out:
     source: _Source
-    scheme: str                        # 'int4' | 'int8' | 'f32' | 'keep'
+    scheme: str                        # 'int4' | 'int8' | quant.FP4 | 'f32' | 'keep'
 
     def entries(self, group_size: int) -> list[tuple[str, str, tuple[int, ...]]]:
         s = self.source
+        if self.scheme == quant.FP4:
+            codes, scales = quant.fp4_shapes(s.shape[0], s.shape[1])
+            return [(s.name, "U8", codes), (s.name + ".qs", "U8", scales)]
         if self.scheme == "int4":
             packed, scales = quant.int4_shapes(s.shape[0], s.shape[1], group_size)
             return [(s.name, "U8", packed), (s.name + ".qs", "F32", scales)]
@@ -364,7 +367,11 @@ def _convert_tensor(w: SafetensorsWriter, o: _Out, group_size: int, files_by_nam
             w.write(s.name, s.file.float32(s.key))
         else:
             x = _read_rows(s, files_by_name, r0, r1).reshape(r1 - r0, cols)
-            if o.scheme == "int4":
+            if o.scheme == quant.FP4:        # a float source encoded (tests; shipped FP4 is copied)
+                codes, scales = quant.quantize_fp4(x)
+                w.write(s.name, codes, r0 * codes.shape[1])
+                w.write(s.name + ".qs", scales, r0 * scales.shape[1])
+            elif o.scheme == "int4":
                 packed, scales = quant.quantize_int4(x, group_size)
                 w.write(s.name, packed, r0 * packed.shape[1])
                 w.write(s.name + ".qs", scales, r0 * scales.shape[1] * 4)
@@ -413,9 +420,12 @@ def _space_check(out: Path, need: int) -> None:
 
 def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 64,
             validate_config: Callable[[dict], None] | None = None,
-            progress: Callable[[Progress], None] | None = None, drop_mtp: bool = False) -> Path:
+            progress: Callable[[Progress], None] | None = None, drop_mtp: bool = False,
+            fp4_experts: bool = False) -> Path:
     """Convert ``src`` (a local Hugging Face model directory) into a container at ``out``.
-    ``drop_mtp``: leave the MTP layers out (by default they go to shards of their own)."""
+    ``drop_mtp``: leave the MTP layers out (by default they go to shards of their own).
+    ``fp4_experts``: encode float routed experts as FP4 (quant.quantize_fp4) -- a container of the
+    shipped FP4 layout from a float checkpoint, for tests and synthetic models."""
     src, out = Path(src), Path(out)
     if bits not in (4, 8, 16):
         raise ColiError(f"--bits must be 4, 8 or 16, not {bits}")
@@ -466,9 +476,13 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
             mtp = {}
     floats = frozenset(n.name for n in expected_tensors(spec) if n.float32) if spec is not None else frozenset()
     plan = _plan(sources, bits, mtp, layout, floats)
+    if fp4_experts:
+        plan = [(n, [_Out(o.source, quant.FP4) if _float_expert(o, layout) else o for o in outs]) for n, outs in plan]
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}
+    if fp4_experts:                 # only where it matters, so older journals still resume
+        params["fp4_experts"] = True
     if mtp_entry is not None:       # only where it matters, so older journals still resume
         params["drop_mtp"] = bool(drop_mtp)
     if dropped_entry is not None:
@@ -502,6 +516,12 @@ def expert_entries(layout: Layout) -> dict:
     if layout.experts.parts != EXPERT_PARTS:
         out[EXPERT_PARTS_KEY] = dict(zip(("gate", "up", "down"), (f"{n}.weight" for n in layout.experts.parts)))
     return out
+
+
+def _float_expert(o: _Out, layout: Layout) -> bool:
+    """A routed expert's float matrix (what ``fp4_experts`` encodes)."""
+    s = o.source
+    return layout.experts.place(s.name) is not None and len(s.shape) == 2 and s.dtype in FLOAT_DTYPES
 
 
 def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]], bits: int,
@@ -587,17 +607,19 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                                                    for k in (ALGORITHM, "header_" + ALGORITHM))
                 checksums[name] = rec if ok else shard_checksums(out / name)
             def quantized(shards) -> dict:
+                sizes = {"int4": group_size, quant.FP4: quant.FP4_GROUP}
                 q = {o.source.name: {"scheme": o.scheme, "shape": list(o.source.shape),
-                                     **({"group_size": group_size} if o.scheme == "int4" else {})}
+                                     **({"group_size": sizes[o.scheme]} if o.scheme in sizes else {})}
                      for name, outs in plan if name in shards for o in outs
-                     if o.scheme in ("int4", "int8")}
+                     if o.scheme in ("int4", "int8", quant.FP4)}
                 return dict(sorted(q.items()))
             aside = [name for name, _ in plan if name.startswith(MTP_SHARD_PREFIX)]
             main = [name for name, _ in plan if name not in aside]
             manifest = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, "model_type": model_type,
                 "converter": {"params": params, "bits": bits, "group_size": group_size},
-                "classes": _class_summary(bits, group_size),
+                "classes": _class_summary(bits, group_size, fp4=any(o.scheme == quant.FP4
+                                                                    for _, outs in plan for o in outs)),
                 "shards": main,
                 "tensors": quantized(set(main)),
                 "checksums": checksums,      # per shard, of the file and its header (core.integrity)
@@ -620,11 +642,12 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
     return out
 
 
-def _class_summary(bits: int, group_size: int) -> dict[str, str]:
+def _class_summary(bits: int, group_size: int, fp4: bool = False) -> dict[str, str]:
+    experts = {"routed_experts": f"{quant.FP4} (E2M1, a UE8M0 scale per 32)"} if fp4 else {}
     if bits == 16:
-        return {"all": "source dtype (nothing quantized)"}
+        return {"all": f"source dtype (nothing {'else ' if fp4 else ''}quantized)", **experts}
     main = f"int4-g{group_size}" if bits == 4 else "int8-row"
     return {"routed_experts": main, "shared_experts": main, "attention": main, "dense_mlp": main,
-            "embeddings": "int8-row", "lm_head": "int8-row", "norms_router_biases": "f32"}
+            "embeddings": "int8-row", "lm_head": "int8-row", "norms_router_biases": "f32", **experts}
 
 

@@ -146,7 +146,19 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
         if _compiled is not None:
             return _compiled.q8_matmul(x, w.data, w.scales)
         return quant.matmul_int8_ref(x, w.data, w.scales)
+    if w.scheme == quant.FP4:
+        if _fp4_compiled():
+            return _compiled.fp4_matmul(x, w.data, w.scales, w.shape[1])
+        return quant.matmul_fp4_ref(x, w.data, w.scales, w.shape[1])
     raise ValueError(f"unknown weight scheme {w.scheme}")
+
+
+def _fp4_compiled() -> bool:
+    """Whether FP4 products run in the compiled kernels (cython_kernels/fp4.h: dense.h's summation
+    order over the decoded weights, the same bits for every row count, thread count and variant);
+    like the dense products, not on x86's portable variant (no hardware FMA), where numpy runs
+    x @ dequant(W).T. The choice depends on the CPU, never on placement."""
+    return _compiled is not None and hasattr(_compiled, "fp4_matmul") and _compiled.fp4_level() != "portable"
 
 
 def rows(w: Weight, ids: np.ndarray) -> np.ndarray:
@@ -157,6 +169,8 @@ def rows(w: Weight, ids: np.ndarray) -> np.ndarray:
         return quant.dequantize_int8(w.data[ids], w.scales[ids])
     if w.scheme == "int4":
         return quant.dequantize_int4(w.data[ids], w.scales[ids], w.shape[1], w.group_size)
+    if w.scheme == quant.FP4:
+        return quant.dequantize_fp4(w.data[ids], w.scales[ids], w.shape[1])
     raise ValueError(f"unknown weight scheme {w.scheme}")
 
 
@@ -195,7 +209,7 @@ def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | N
     """[x[t0:t0+n] @ W.T for each W] (rows: (t0, n) per matrix, default all of x; outs: arrays to
     write into). Int4 matrices sharing a shape run as one parallel pass -- one OpenMP region
     instead of one per matrix: the int4 loops below SGEMM_MIN_ROWS rows, the prefill GEMM from
-    there -- with the same bits as separate ``matmul`` calls."""
+    there; FP4 matrices in one pass too -- with the same bits as separate ``matmul`` calls."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = rows or [(0, x.shape[0])] * len(ws)
     res = list(outs) if outs is not None else [None] * len(ws)
@@ -211,6 +225,13 @@ def matmul_many(x: np.ndarray, ws: list[Weight], rows: list[tuple[int, int]] | N
         for m, y in zip(group, got):
             res[m] = y
         done.update(group)
+    fp4 = _fp4_group(ws)
+    if fp4:         # FP4 matrices of one column count: one pass whatever their row counts
+        got = _compiled.fp4_matmul_many(x, [(ws[m].data, ws[m].scales) for m in fp4], ws[fp4[0]].shape[1],
+                                        [rows[m] for m in fp4], None if outs is None else [outs[m] for m in fp4])
+        for m, y in zip(fp4, got):
+            res[m] = y
+        done.update(fp4)
     for m in range(len(ws)):
         if m in done:
             continue
@@ -227,6 +248,12 @@ def _small_group(ws: list[Weight], rows) -> list[int]:
     """The matrices below the sgemm row count, when several can share one compiled pass."""
     group = [m for m, (_, n) in enumerate(rows) if not _sgemm_rows(n)]
     return group if len(group) >= 2 and _same_int4([ws[m] for m in group]) else []
+
+
+def _fp4_group(ws: list[Weight]) -> list[int]:
+    """The FP4 matrices, when they share a column count and run compiled."""
+    group = [m for m, w in enumerate(ws) if w.scheme == quant.FP4]
+    return group if group and _fp4_compiled() and len({ws[m].shape[1] for m in group}) == 1 else []
 
 
 def _gemm_group(ws: list[Weight], rows) -> list[int]:
@@ -476,7 +503,7 @@ def weight_rows(w: Weight, r0: int, r1: int) -> Weight:
     """Rows [r0, r1) of a matrix, in its own scheme (views of its bytes and scales, no copy)."""
     if w.scheme == "dense":
         return Weight("dense", (r1 - r0, w.shape[1]), w.data[r0:r1])
-    if w.scheme in ("int4", "int8"):
+    if w.scheme in ("int4", "int8", quant.FP4):
         return Weight(w.scheme, (r1 - r0, w.shape[1]), w.data[r0:r1], w.scales[r0:r1], w.group_size)
     raise ValueError(f"unknown weight scheme {w.scheme}")
 

@@ -7,6 +7,9 @@ A quantized weight NAME of logical shape [O, I] is stored as U8 ``NAME`` plus F3
   s = max(absmax(group) / 7, 1e-8); q = clip(rint(w / s), -8, 7); the last group is zero-padded.
 * int8 per row: ``NAME`` is [O, I] (bytes are two's-complement int8); ``NAME.qs`` is [O];
   value = q * s[o]; s = absmax(row) / 127.
+* FP4 as shipped (``FP4``: DeepSeek V4's routed experts, Kimi K3's MXFP4): ``NAME`` is U8
+  [O, ceil(I/2)] of E2M1 codes, byte k holding element 2k in the low nibble and 2k+1 in the high
+  one; ``NAME.qs`` is U8 [O, ceil(I/32)] of UE8M0 scales (see the FP4 section below).
 
 All arithmetic is float32, so any implementation following these lines reproduces our bytes.
 The functions here are the reference the Cython kernels are tested against.
@@ -14,6 +17,8 @@ The functions here are the reference the Cython kernels are tested against.
 from __future__ import annotations
 
 import numpy as np
+
+from .errors import ColiError
 
 INT4_MIN_SCALE = np.float32(1e-8)
 
@@ -74,6 +79,106 @@ def matmul_int4_ref(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, cols:
 
 def matmul_int8_ref(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float32) @ dequantize_int8(q, scales).T
+
+
+# --- FP4: E2M1 codes with a UE8M0 scale per 32 (the source's bits, kept as they are) ---------------
+# DeepSeek V4 ships routed experts as ``X.weight`` I8 [O, I/2] + ``X.scale`` F8_E8M0 [O, I/32];
+# Kimi K3 (compressed-tensors mxfp4) as ``weight_packed`` U8 [O, I/2] + ``weight_scale`` U8
+# [O, I/32]. Both are this one encoding: a converter copies the weight bytes to U8 ``NAME`` and the
+# scale bytes to U8 ``NAME.qs`` unchanged (``check_fp4`` first). A code's bit 3 is the sign, bits
+# 0-2 index the magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; a scale byte b is 2^(b - 127), b = 255 NaN.
+# value = E2M1[code] * 2^(b - 127) in float32: exact whenever it is finite (a power-of-two times a
+# two-bit significand; 2^-128 is a float32 subnormal), +-inf past float32's range (codes >= 4 at
+# b >= 253), as float32 / bfloat16 arithmetic upstream gives. A row whose I is not a multiple of 32
+# ends in a partial group (the padding nibble of an odd I and the rest of the group hold nothing:
+# ignored by the decoder and the kernels, written as code 0 by the encoder).
+FP4 = "fp4_e2m1_ue8m0"
+FP4_GROUP = 32
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+UE8M0_NAN = 255
+# every scale byte's value (2^(b - 127), float32; b = 0 gives the subnormal 2^-127)
+UE8M0 = np.append(np.ldexp(np.float32(1.0), np.arange(-127, 128)).astype(np.float32), np.float32(np.nan))
+
+
+def fp4_shapes(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of (codes, scale bytes) for a logical [rows, cols] FP4 tensor."""
+    return (rows, (cols + 1) // 2), (rows, -(-cols // FP4_GROUP))
+
+
+def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[O, I] float -> (codes uint8 [O, ceil(I/2)], scale bytes uint8 [O, ceil(I/32)]).
+
+    Per group of 32: the smallest power of two s with amax / s <= 6 (s = 2^ceil(log2(amax / 6)),
+    amax / 6 in float32, as DeepSeek's ue8m0 scales round up; clamped to 2^-127..2^127; an all-zero
+    group gets 2^0), then each w / s (exact) to the nearest E2M1 magnitude, ties to the even code
+    (round-to-nearest-even of the one mantissa bit), the sign from w's sign bit. Tests and
+    synthetic containers use it; shipped FP4 is copied, never re-encoded."""
+    w = np.asarray(w, dtype=np.float32)
+    if not np.isfinite(w).all():
+        raise ValueError("quantize_fp4: the weights hold NaN or inf")
+    rows, cols = w.shape
+    groups = -(-cols // FP4_GROUP)
+    g = np.zeros((rows, groups * FP4_GROUP), np.float32)
+    g[:, :cols] = w
+    g = g.reshape(rows, groups, FP4_GROUP)
+    amax = np.abs(g).max(axis=2)
+    m, e = np.frexp(amax / np.float32(6.0))
+    e = np.where(m == 0.5, e - 1, e)                  # ceil(log2): an exact power of two keeps e - 1
+    e = np.where(amax == 0, 0, np.clip(e, -127, 127)).astype(np.int32)
+    a = np.abs(g) * np.ldexp(np.float32(1.0), -e)[:, :, None].astype(np.float32)   # exact unless tiny
+    idx = ((a > 0.25).astype(np.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+           + (a >= 3.5) + (a > 5.0)).astype(np.uint8)  # ties: .25, 1.25, 2.5, 5 down; .75, 1.75, 3.5 up
+    codes = (idx | (np.signbit(g).astype(np.uint8) << 3)).reshape(rows, groups * FP4_GROUP)[:, :cols]
+    if cols % 2:
+        codes = np.concatenate([codes, np.zeros((rows, 1), np.uint8)], axis=1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(packed), (e + 127).astype(np.uint8)
+
+
+def dequantize_fp4(packed: np.ndarray, scales: np.ndarray, cols: int) -> np.ndarray:
+    """Exact float32 [O, cols] of FP4 codes and scale bytes (E2M1[code] * 2^(b - 127))."""
+    packed = np.asarray(packed).view(np.uint8)
+    rows = packed.shape[0]
+    codes = np.empty((rows, packed.shape[1] * 2), np.uint8)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    s = np.repeat(UE8M0[np.asarray(scales).view(np.uint8)], FP4_GROUP, axis=1)[:, :cols]
+    with np.errstate(over="ignore"):          # +-inf past float32's range is the value
+        return E2M1[codes[:, :cols]] * s
+
+
+def matmul_fp4_ref(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, cols: int) -> np.ndarray:
+    """Reference y = x @ W.T for FP4 W (numpy's sum order; the kernels' is in qmatmul.fp4_matmul)."""
+    return np.asarray(x, dtype=np.float32) @ dequantize_fp4(packed, scales, cols).T
+
+
+def fp4_layout_error(rows: int, cols: int, codes: tuple, scales: tuple) -> str | None:
+    """Why stored (dtype, shape) pairs of codes and scale bytes do not hold an [rows, cols] FP4
+    tensor, or None. Dtypes: U8 (ours, compressed-tensors), I8 (DeepSeek's codes), F8_E8M0
+    (DeepSeek's scales) -- bytes all."""
+    want_c, want_s = fp4_shapes(rows, cols)
+    (cd, cs), (sd, ss) = codes, scales
+    if cd not in ("U8", "I8") or tuple(cs) != want_c:
+        return f"codes are {cd} {list(cs)}, [{rows}, {cols}] needs U8 {list(want_c)} (two a byte)"
+    if sd not in ("U8", "F8_E8M0") or tuple(ss) != want_s:
+        return f"scales are {sd} {list(ss)}, [{rows}, {cols}] needs U8 {list(want_s)} (one per 32)"
+    return None
+
+
+def check_fp4(name: str, packed: np.ndarray, scales: np.ndarray, cols: int,
+              dtypes: tuple[str, str] = ("U8", "U8")) -> None:
+    """Refuse a malformed FP4 pair with one line naming ``name``: codes [O, ceil(I/2)], scales
+    [O, ceil(I/32)], no NaN scale (byte 255). The converter calls it on the source's bytes, the
+    container on every FP4 tensor it reads."""
+    why = fp4_layout_error(packed.shape[0], cols, (dtypes[0], packed.shape), (dtypes[1], scales.shape))
+    if why is not None:
+        raise ColiError(f"FP4 tensor {name}: {why}")
+    bad = np.flatnonzero(np.asarray(scales).view(np.uint8).reshape(-1) == UE8M0_NAN)
+    if bad.size:
+        r, g = divmod(int(bad[0]), scales.shape[1])
+        raise ColiError(f"FP4 tensor {name}: scale byte 255 (NaN) at row {r}, group {g} "
+                        f"({bad.size} such)")
 
 
 # --- which scheme each tensor gets at conversion -------------------------------------------------

@@ -757,6 +757,7 @@ include "linear_ops.pxi"
 include "kda_ops.pxi"
 include "prefill.pxi"
 include "dense.pxi"
+include "fp4.pxi"
 
 
 # --- positioned reads without the GIL, on every OS (fileio.h; core.fileio picks it where Python's

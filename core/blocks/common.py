@@ -57,4 +57,6 @@ def float32_matrix(w) -> np.ndarray:
         return quant.dequantize_int4(w.data, w.scales, w.shape[1], w.group_size)
     if w.scheme == "int8":
         return quant.dequantize_int8(w.data, w.scales)
+    if w.scheme == quant.FP4:
+        return quant.dequantize_fp4(w.data, w.scales, w.shape[1])
     raise ValueError(f"unknown weight scheme {w.scheme}")
