@@ -108,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, or a repo id (owner/name) "
                                               "that is in the Hugging Face cache ($HF_HOME)")
     p.add_argument("out", metavar="OUT", help="output container directory")
-    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=4,
-                   help="4: int4 experts/attention (default); 8: int8; 16: nothing quantized")
+    p.add_argument("--bits", type=int, choices=(4, 8, 16), default=None,
+                   help="4: int4 experts/attention (the default, except for a release that ships "
+                        "FP4 experts, e.g. DeepSeek V4: then 16, its FP4 experts kept as they are); "
+                        "8: int8; 16: nothing quantized")
     p.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
     p.add_argument("--drop-mtp", action="store_true",
                    help="leave out the multi-token-prediction (MTP) layers; by default they are kept "
@@ -264,7 +266,9 @@ def cmd_convert(args) -> int:
                       validate_config=validate_config, progress=progress, drop_mtp=args.drop_mtp)
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     remember(out)
-    print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={args.bits})", file=sys.stderr)
+    from core.container import Container
+    bits = Container(out).manifest["converter"]["params"]["bits"]      # --bits, or the release's default
+    print(f"converted {args.src} -> {out} ({size / 1e6:.1f} MB, bits={bits})", file=sys.stderr)
     mtp = _mtp_summary(Path(out))
     if mtp is not None:
         print(f"MTP layers: {mtp}", file=sys.stderr)

@@ -61,6 +61,12 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                 "tiktoken.model", "tokenization_kimi.py")   # Kimi's tokenizer (core/tiktoken_bpe.py)
 FP8_SCALE_SUFFIX = "_scale_inv"
+# DeepSeek V4's own scale companions: ``X.scale`` beside ``X.weight``, F8_E8M0 (UE8M0) bytes -- of
+# an FP8 weight's 128x128 blocks, or of an FP4 weight's groups of 32 (I8 [O, I/2], two E2M1 codes
+# a byte), whose bits the container keeps (quant.FP4)
+SCALE_SUFFIX = ".scale"
+FP4_CODE_DTYPES = ("I8", "U8")
+FP4_SCALE_DTYPES = ("F8_E8M0", "U8")
 FP8_BLOCK = 128
 CONVERTER_VERSION = 1
 MTP_KEY = "mtp"                 # the manifest's entry for the MTP layers (Layout.mtp_group)
@@ -90,6 +96,8 @@ class _Source:
     expert: int = 0
     row0: int = 0
     stored: str = ""                  # the name in the file where the layout renamed it
+    # an FP4 weight's scale bytes (its name in its file): ``shape`` is then the logical [O, I]
+    fp4_scale: str | None = None
 
     @property
     def key(self) -> str:
@@ -100,7 +108,13 @@ class _Source:
     def nbytes(self) -> int:
         if self.fused is not None:
             return int(np.prod(self.shape)) * DTYPES[self.dtype].itemsize
-        return self.file.tensors[self.key].nbytes
+        own = self.file.tensors[self.key].nbytes
+        return own + (self.file.tensors[self.fp4_scale].nbytes if self.fp4_scale is not None else 0)
+
+    @property
+    def floating(self) -> bool:
+        """Values the converter can decode to float32 (and so requantize)."""
+        return self.dtype in FLOAT_DTYPES or self.fp4_scale is not None
 
 
 @dataclass
@@ -177,12 +191,15 @@ def _gather(files: list[SafetensorsFile], layout: Layout) -> dict[str, _Source]:
     """Every tensor of the checkpoint under the family's name (``layout.renames``), FP8 block
     scales attached to their weights."""
     sources: dict[str, _Source] = {}
-    scales = []
+    scales, companions = [], []
     for f in files:
         for stored, info in f.tensors.items():
             name = layout.rename(stored)
             if name.endswith(FP8_SCALE_SUFFIX):
                 scales.append((f, stored, name))
+                continue
+            if name.endswith(SCALE_SUFFIX) and info.dtype in FP4_SCALE_DTYPES:
+                companions.append((f, stored, name))
                 continue
             other = sources.get(name)
             if other is not None and (stored != name or other.key != name):
@@ -194,7 +211,37 @@ def _gather(files: list[SafetensorsFile], layout: Layout) -> dict[str, _Source]:
         if owner not in sources:
             raise ColiError(f"{f.path.name}: scale {stored} has no weight {owner}")
         sources[owner].scale_inv = stored
+    for f, stored, name in companions:
+        owner = name[: -len(SCALE_SUFFIX)] + ".weight"
+        if owner not in sources:
+            raise ColiError(f"{f.path.name}: scale {stored} has no weight {owner}")
+        _attach_scale(sources[owner], f, stored)
     return sources
+
+
+def _attach_scale(s: _Source, f: SafetensorsFile, stored: str) -> None:
+    """A DeepSeek ``.scale`` companion: block scales of an FP8 weight, or the group scales of an
+    FP4 one (its logical shape [O, 2 x stored columns]); a scale whose shape does not fit its
+    weight is one line naming both."""
+    got = tuple(f.tensors[stored].shape)
+    where = f"{f.path.name}: {s.key} ({s.dtype} {list(s.shape)})"
+    if s.file is not f:
+        raise ColiError(f"{where}: its scale {stored} is in another file ({f.path.name})")
+    if s.dtype == "F8_E4M3" and len(s.shape) == 2:
+        need = (-(-s.shape[0] // FP8_BLOCK), -(-s.shape[1] // FP8_BLOCK))
+        if got != need:
+            raise ColiError(f"{where}: scale {stored} has shape {list(got)}, its {FP8_BLOCK}x{FP8_BLOCK} "
+                            f"blocks need {list(need)}")
+        s.scale_inv = stored
+    elif s.dtype in FP4_CODE_DTYPES and len(s.shape) == 2:
+        rows, cols = s.shape[0], 2 * s.shape[1]
+        if quant.fp4_layout_error(rows, cols, ("U8", (rows, s.shape[1])), ("U8", got)):
+            raise ColiError(f"{where}: FP4 scale {stored} has shape {list(got)}, the weight's groups "
+                            f"of 32 need {list(quant.fp4_shapes(rows, cols)[1])}")
+        s.fp4_scale, s.shape = stored, (rows, cols)
+    else:
+        raise ColiError(f"{where}: a scale ({stored}) beside a weight that is neither FP8 (F8_E4M3) "
+                        f"nor FP4 (I8 codes)")
 
 
 def _stored_rows(src: _Source, r0: int, r1: int) -> np.ndarray:
@@ -209,8 +256,19 @@ def _stored_rows(src: _Source, r0: int, r1: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=dt).reshape(r1 - r0, cols)
 
 
+def _fp4_rows(src: _Source, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+    """An FP4 source's (codes, scale bytes) of rows [r0, r1), as the container stores them (U8),
+    refused in one line if a scale decodes to NaN."""
+    codes = src.file.raw(src.key, r0, r1).view(np.uint8)
+    scales = src.file.raw(src.fp4_scale, r0, r1).view(np.uint8)
+    quant.check_fp4(src.key, codes, scales, src.shape[1], row0=r0)
+    return codes, scales
+
+
 def _read_rows(src: _Source, files_by_name: dict[str, SafetensorsFile], r0: int, r1: int) -> np.ndarray:
-    """float32 rows [r0, r1) of a 2-D source tensor, FP8 block scales applied."""
+    """float32 rows [r0, r1) of a 2-D source tensor, FP8 block scales applied (FP4: decoded)."""
+    if src.fp4_scale is not None:
+        return quant.dequantize_fp4(*_fp4_rows(src, r0, r1), src.shape[1])
     x = to_float32(_stored_rows(src, r0, r1), src.dtype)
     if src.scale_inv is not None:
         sf = files_by_name[src.scale_inv]
@@ -316,7 +374,9 @@ def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = N
     by_group: dict[str, list[_Out]] = {}
     for name in sorted(sources):
         s = sources[name]
-        if s.dtype not in FLOAT_DTYPES and bits != 16:
+        if s.fp4_scale is not None and bits == 16:
+            scheme = quant.FP4       # shipped FP4: its bits kept (the source's encoding, as at --bits 16)
+        elif not s.floating and bits != 16:
             scheme = "keep"
         elif name in floats and bits != 16:
             scheme = "f32"
@@ -366,6 +426,12 @@ def _convert_tensor(w: SafetensorsWriter, o: _Out, group_size: int, files_by_nam
         elif len(s.shape) < 2:
             w.write(s.name, s.file.float32(s.key))
         else:
+            if o.scheme == quant.FP4 and s.fp4_scale is not None:     # shipped FP4: bytes copied
+                codes, scales = _fp4_rows(s, r0, r1)
+                w.write(s.name, codes, r0 * codes.shape[1])
+                w.write(s.name + ".qs", scales, r0 * scales.shape[1])
+                report(s.nbytes * (r1 - r0) // rows)
+                continue
             x = _read_rows(s, files_by_name, r0, r1).reshape(r1 - r0, cols)
             if o.scheme == quant.FP4:        # a float source encoded (tests; shipped FP4 is copied)
                 codes, scales = quant.quantize_fp4(x)
@@ -418,16 +484,18 @@ def _space_check(out: Path, need: int) -> None:
                         f"{free / 1e9:.2f} GB free")
 
 
-def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 64,
+def convert(src: str | Path, out: str | Path, bits: int | None = None, group_size: int = 64,
             validate_config: Callable[[dict], None] | None = None,
             progress: Callable[[Progress], None] | None = None, drop_mtp: bool = False,
             fp4_experts: bool = False) -> Path:
     """Convert ``src`` (a local Hugging Face model directory) into a container at ``out``.
+    ``bits`` None: 16 (nothing requantized) when the checkpoint ships weights in a low-bit format
+    the engine runs as they are (FP4 experts: DeepSeek V4), else 4 (``default_bits``).
     ``drop_mtp``: leave the MTP layers out (by default they go to shards of their own).
     ``fp4_experts``: encode float routed experts as FP4 (quant.quantize_fp4) -- a container of the
     shipped FP4 layout from a float checkpoint, for tests and synthetic models."""
     src, out = Path(src), Path(out)
-    if bits not in (4, 8, 16):
+    if bits is not None and bits not in (4, 8, 16):
         raise ColiError(f"--bits must be 4, 8 or 16, not {bits}")
     if group_size < 2 or group_size % 2 or group_size > MAX_GROUP_SIZE:
         raise ColiError(f"--group-size must be an even number in 2..{MAX_GROUP_SIZE}, not {group_size}")
@@ -455,6 +523,7 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
                              "source_bytes": sum(gathered[n].nbytes for n in left_out)}
             gathered = {n: s for n, s in gathered.items() if n not in set(left_out)}
         sources = _split_fused(gathered, text, files_by_name, layout)
+        bits = default_bits(sources.values()) if bits is None else bits
         num_layers = text.get("num_hidden_layers")
         mtp = {n: g for n in sources if (g := layout.mtp_group(n, num_layers)) is not None}
         if validate_config is not None:   # the weights against the config, before any writing
@@ -507,6 +576,13 @@ def convert(src: str | Path, out: str | Path, bits: int = 4, group_size: int = 6
     finally:
         for f in files:
             f.close()
+
+
+def default_bits(sources) -> int:
+    """What ``coli convert`` does without --bits: keep a release's own FP4 weights (and so every
+    tensor as shipped, FP8 widened exactly: --bits 16) where it has them -- precision is chosen
+    once, and there its authors chose it -- else int4 (--bits 4)."""
+    return 16 if any(s.fp4_scale is not None for s in sources) else 4
 
 
 def expert_entries(layout: Layout) -> dict:

@@ -167,7 +167,7 @@ def fp4_layout_error(rows: int, cols: int, codes: tuple, scales: tuple) -> str |
 
 
 def check_fp4(name: str, packed: np.ndarray, scales: np.ndarray, cols: int,
-              dtypes: tuple[str, str] = ("U8", "U8")) -> None:
+              dtypes: tuple[str, str] = ("U8", "U8"), row0: int = 0) -> None:
     """Refuse a malformed FP4 pair with one line naming ``name``: codes [O, ceil(I/2)], scales
     [O, ceil(I/32)], no NaN scale (byte 255). The converter calls it on the source's bytes, the
     container on every FP4 tensor it reads."""
@@ -177,7 +177,7 @@ def check_fp4(name: str, packed: np.ndarray, scales: np.ndarray, cols: int,
     bad = np.flatnonzero(np.asarray(scales).view(np.uint8).reshape(-1) == UE8M0_NAN)
     if bad.size:
         r, g = divmod(int(bad[0]), scales.shape[1])
-        raise ColiError(f"FP4 tensor {name}: scale byte 255 (NaN) at row {r}, group {g} "
+        raise ColiError(f"FP4 tensor {name}: scale byte 255 (NaN) at row {row0 + r}, group {g} "
                         f"({bad.size} such)")
 
 

@@ -25,7 +25,7 @@ DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"), "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U8": np.dtype("u1"), "U16": np.dtype("<u2"), "U32": np.dtype("<u4"), "U64": np.dtype("<u8"),
-    "BOOL": np.dtype("?"),
+    "BOOL": np.dtype("?"), "F8_E8M0": np.dtype("u1"),
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 MAX_HEADER = 256 * 1024 * 1024
@@ -48,7 +48,15 @@ def _fp8_e5m2_table() -> np.ndarray:
     return (np.arange(256, dtype=np.uint16) << 8).view(np.float16).astype(np.float32)
 
 
-_FP8_TABLES = {"F8_E4M3": _fp8_e4m3_table(), "F8_E5M2": _fp8_e5m2_table()}
+def _e8m0_table() -> np.ndarray:
+    """float32 value of every UE8M0 byte (a scale: 2^(b - 127), 255 = NaN; 2^-127 is subnormal)."""
+    val = np.full(256, np.nan, dtype=np.float32)
+    val[:255] = np.ldexp(np.float64(1.0), np.arange(255) - 127)
+    return val
+
+
+# F8_E8M0 (UE8M0) is a scale format only (DeepSeek V4's block scales): decoded, never a weight's
+_FP8_TABLES = {"F8_E4M3": _fp8_e4m3_table(), "F8_E5M2": _fp8_e5m2_table(), "F8_E8M0": _e8m0_table()}
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

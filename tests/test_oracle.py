@@ -102,3 +102,35 @@ def test_prefill_then_decode_matches_teacher_forcing(name, fixture_root, contain
     cache = KVCache(engine.spec)
     step = [engine.forward(ids[:5], cache)[-1]] + [engine.forward([t], cache)[-1] for t in ids[5:]]
     np.testing.assert_allclose(np.stack(step), full[4:], atol=1e-4)
+
+
+HUB = [n for n in _names() if (Path(__file__).parent / "oracle" / "fixtures" / n / "hub").exists()]
+
+
+@pytest.mark.parametrize("name", HUB)
+def test_hub_layout_with_default_settings_keeps_fp4_experts_and_matches(name, fixture_root, tmp_path):
+    """The release's own layout (DeepSeek's names, FP4 experts, FP8 + UE8M0 dense, MTP), converted
+    with no --bits: the experts keep their FP4 bits, the rest is exact, and the logits are
+    transformers' on the exactly dequantized weights."""
+    import json
+    ref = _ref(fixture_root, name)
+    out = tmp_path / "c"
+    assert coli(["convert", str(fixture_root / name / "hub"), str(out)]) == 0
+    manifest = json.loads((out / "colibri.json").read_text())
+    schemes = {t["scheme"] for n, t in manifest["tensors"].items() if ".experts." in n}
+    assert schemes == {"fp4_e2m1_ue8m0"} and manifest["converter"]["params"]["bits"] == 16
+    got = _logits_via_cli(out, ref["ids"], tmp_path)
+    np.testing.assert_array_equal(got.argmax(1), ref["logits_hub"].argmax(1))
+    assert np.abs(got - ref["logits_hub"]).max() <= 1e-3
+
+
+@pytest.mark.parametrize("name", HUB[:1])
+def test_hub_layout_at_bits_4_requantizes_the_experts(name, fixture_root, tmp_path):
+    import json
+    ref = _ref(fixture_root, name)
+    out = tmp_path / "c"
+    assert coli(["convert", str(fixture_root / name / "hub"), str(out), "--bits", "4"]) == 0
+    manifest = json.loads((out / "colibri.json").read_text())
+    assert {t["scheme"] for n, t in manifest["tensors"].items() if ".experts." in n} == {"int4"}
+    got = _logits_via_cli(out, ref["ids"], tmp_path)
+    assert int((got.argmax(1) == ref["logits_hub"].argmax(1)).sum()) >= 24      # int4 of FP4: a second rounding
