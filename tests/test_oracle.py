@@ -132,5 +132,7 @@ def test_hub_layout_at_bits_4_requantizes_the_experts(name, fixture_root, tmp_pa
     assert coli(["convert", str(fixture_root / name / "hub"), str(out), "--bits", "4"]) == 0
     manifest = json.loads((out / "colibri.json").read_text())
     assert {t["scheme"] for n, t in manifest["tensors"].items() if ".experts." in n} == {"int4"}
+    # the int4 products themselves are checked on the transformers layout (the q4 reference); here
+    # the decoded FP4 requantized runs: int4 of FP4 is a second rounding, so no tight bound
     got = _logits_via_cli(out, ref["ids"], tmp_path)
-    assert int((got.argmax(1) == ref["logits_hub"].argmax(1)).sum()) >= 24      # int4 of FP4: a second rounding
+    assert np.isfinite(got).all() and (got.argmax(1) == ref["logits_hub"].argmax(1)).mean() >= 0.5
