@@ -304,11 +304,12 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]],
-                out: np.ndarray | None = None) -> np.ndarray:
+                out: np.ndarray | None = None, limit: float | None = None) -> np.ndarray:
     """down(silu(gate(x_e)) * up(x_e)) for each expert e over its rows x[t0:t0+n], stacked in
     expert order ([sum n, H], written into ``out`` when given): gate and up of every expert in one
     pass, silu once over all of them, then every down in one pass. Per row the same operations as
-    ``expert_ffn`` (below SGEMM_MIN_ROWS rows; from there the prefill GEMM's)."""
+    ``expert_ffn`` (below SGEMM_MIN_ROWS rows; from there the prefill GEMM's). ``limit``: the
+    clamped SwiGLU (DeepSeek V4, GLM-5.3-Flash): gate to <= limit, up to [-limit, limit]."""
     stacked = spans(n for _, n in rows)
     total = sum(n for _, n in rows)
     inter = ffns[0].gate.shape[0] if ffns else 0
@@ -316,6 +317,9 @@ def swiglu_many(x: np.ndarray, ffns: list, rows: list[tuple[int, int]],
     u = np.empty((total, inter), np.float32)
     matmul_many(x, [w for f in ffns for w in (f.gate, f.up)], [r for r in rows for _ in (0, 1)],
                 [a[t: t + n] for t, n in stacked for a in (g, u)])
+    if limit is not None:
+        np.minimum(g, np.float32(limit), out=g)
+        np.clip(u, np.float32(-limit), np.float32(limit), out=u)
     h = silu_mul(g, u)
     y = np.empty((total, ffns[0].down.shape[0] if ffns else 0), np.float32) if out is None else out
     matmul_many(h, [f.down for f in ffns], stacked, [y[t: t + n] for t, n in stacked])
@@ -333,18 +337,18 @@ def rank_combine(y: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> np.nd
     return np.add.reduce(y[slots] * weights[:, :, None], axis=1)
 
 
-def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int]) -> None:
+def swiglu_one(x: np.ndarray, ffns: list, out: np.ndarray, at: list[int], limit: float | None = None) -> None:
     """Decode: out[at[i]] = down_i(silu(gate_i(x)) * up_i(x)) for the one row x [1, H] -- the
     values of ``swiglu_many`` over the same experts. Int4 experts (every container we write) run
     as one compiled call (cython_kernels.qmatmul.swiglu_one), without swiglu_many's per-matrix
     Python work (~0.1 ms per layer)."""
-    if _compiled is not None and ffns and all(
+    if _compiled is not None and ffns and limit is None and all(
             f.gate.scheme == f.up.scheme == f.down.scheme == "int4"
             and f.gate.group_size == f.down.group_size == ffns[0].gate.group_size for f in ffns):
         _compiled.swiglu_one(x, [(f.gate.data, f.gate.scales, f.up.data, f.up.scales, f.down.data,
                                   f.down.scales) for f in ffns], ffns[0].gate.group_size, out, at)
         return
-    out[at] = swiglu_many(x, ffns, [(0, 1)] * len(ffns))
+    out[at] = swiglu_many(x, ffns, [(0, 1)] * len(ffns), limit=limit)
 
 
 def attention_block(proj: list, biases: list, in_norm: np.ndarray, qk_norm: str, q_norm, k_norm,

@@ -19,7 +19,7 @@ from .common import Need, load_needs
 
 def expert_ffn(x: np.ndarray, ffn: ExpertFFN, limit: float | None = None) -> np.ndarray:
     """down(silu(gate x) * up x); with ``limit`` the clamped SwiGLU of DeepSeek V4 / GLM-5.3-Flash
-    (gate clamped to <= limit, up to [-limit, limit]; numpy only, no compiled path yet)."""
+    (gate clamped to <= limit, up to [-limit, limit]: kernels.swiglu_many clamps the same way)."""
     g, u = kernels.matmul(x, ffn.gate), kernels.matmul(x, ffn.up)
     if limit is not None:
         g, u = np.minimum(g, np.float32(limit)), np.clip(u, np.float32(-limit), np.float32(limit))
@@ -107,10 +107,11 @@ class MoEBlock:
         # Each unique expert of the batch is fetched once; whatever is ready (all hits, then
         # misses as they arrive) runs as one kernel pass; results land in fixed (token, rank)
         # slots and are summed in rank order, so arrival and grouping cannot change the output.
-        if h.shape[0] == 1 and self.limit is None:    # decode: every expert reads the one row (laid out once)
+        if h.shape[0] == 1:    # decode: every expert reads the one row (laid out once)
             contrib = np.empty((1, top.shape[1], h.shape[1]), np.float32)
             for batch in step.store.request_batches(i, used):
-                kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch])
+                kernels.swiglu_one(h, [ffn for _, ffn in batch], contrib[0], [ids.index(e) for e, _ in batch],
+                                   self.limit)
             out = kernels.rank_sum(contrib[0], weights[0])
         else:
             # prefill: each batch's expert outputs go to the next rows of y (expert after expert);
@@ -123,12 +124,8 @@ class MoEBlock:
                 picks = [np.nonzero(top == e) for e, _ in batch]
                 rows = np.concatenate([r for r, _ in picks])
                 ranks = np.concatenate([r for _, r in picks])
-                if self.limit is None:
-                    kernels.swiglu_many(h[rows], [ffn for _, ffn in batch],
-                                        kernels.spans(len(r) for r, _ in picks), out=y[at: at + len(rows)])
-                else:        # clamped: expert by expert in numpy (the compiled kernels do not clamp)
-                    y[at: at + len(rows)] = np.concatenate([expert_ffn(h[r], ffn, self.limit)
-                                                            for (r, _), (_, ffn) in zip(picks, batch)])
+                kernels.swiglu_many(h[rows], [ffn for _, ffn in batch], kernels.spans(len(r) for r, _ in picks),
+                                    out=y[at: at + len(rows)], limit=self.limit)
                 slots[rows, ranks] = np.arange(at, at + len(rows))
                 at += len(rows)
                 step.check_cancel()     # a prefill batch of experts can take a while
