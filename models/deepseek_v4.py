@@ -12,7 +12,9 @@ Here live the family-only pieces: the config reader, the compressors, the indexe
 router and the composition. float32 numpy throughout (no compiled path yet)."""
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -434,6 +436,12 @@ class V4MoEBlock:
         return self.block(i, h, step, routed)
 
 
+@functools.lru_cache(maxsize=1)
+def chat_template() -> str:
+    """Our Jinja form of the release's Python chat encoder (models/templates/deepseek_v4.jinja)."""
+    return (Path(__file__).parent / "templates" / "deepseek_v4.jinja").read_text(encoding="utf-8")
+
+
 # --- the family -------------------------------------------------------------------------------------
 class DeepseekV4:
     model_type = "deepseek_v4"
@@ -489,4 +497,5 @@ class DeepseekV4:
         spec.embedding = StreamEmbedding(spec.vocab_size, H, spec.tie_word_embeddings, n=n_hc)
         spec.head = StreamHead(spec.vocab_size, H, n_hc, r.number("hc_eps"), spec.tie_word_embeddings, LAYOUT.head)
         spec.rope_tables = tables
+        spec.chat_template = chat_template()
         return spec
