@@ -21,7 +21,7 @@ import numpy as np
 
 from core import kernels
 from core.arch import ArchSpec, ConfigReader, common_spec
-from core.blocks.common import Need, norm_weight
+from core.blocks.common import Need, load_needs
 from core.blocks.mhc import MHC, StreamEmbedding, StreamHead
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import ScoreRouter, _router_weight, chosen_weights, route_scores
@@ -244,9 +244,9 @@ class Compressor:
 class CompressorBlock:
     def __init__(self, spec: Compressor, c, p: str, eps: float):
         self.spec, self.eps = spec, eps
-        self.kv, self.gate = c.load(p + "wkv.weight"), c.load(p + "wgate.weight")
-        self.bias = kernels.vector(c.load(p + "ape"))
-        self.norm = norm_weight(c, p + "norm.weight")
+        w = load_needs(c, spec.tensors(p), p)
+        self.kv, self.gate = w["wkv.weight"], w["wgate.weight"]
+        self.bias, self.norm = kernels.vector(w["ape"]), kernels.vector(w["norm.weight"])
 
     def update(self, h: np.ndarray, cache, i: int) -> np.ndarray:
         """Fold the rows of h [T, hidden] (positions from cache.length on) into layer i's state;
@@ -297,10 +297,11 @@ class Indexer:
     topk: int
 
     def tensors(self, p: str) -> list[Need]:
-        d = self.compressor.dim
-        return self.compressor.tensors(p + "compressor.") + [
-            Need(p + "wq_b.weight", (self.heads * d, self.q_lora_rank)),
-            Need(p + "weights_proj.weight", (self.heads, self.compressor.hidden), float32=True)]
+        return self.compressor.tensors(p + "compressor.") + self.own_tensors(p)
+
+    def own_tensors(self, p: str) -> list[Need]:
+        return [Need(p + "wq_b.weight", (self.heads * self.compressor.dim, self.q_lora_rank)),
+                Need(p + "weights_proj.weight", (self.heads, self.compressor.hidden), float32=True)]
 
     def build(self, c, p: str, eps: float) -> "IndexerBlock":
         return IndexerBlock(self, c, p, eps)
@@ -309,7 +310,8 @@ class Indexer:
 class IndexerBlock:
     def __init__(self, spec: Indexer, c, p: str, eps: float):
         self.spec, self.compressor = spec, spec.compressor.build(c, p + "compressor.", eps)
-        self.q_b, self.weights = c.load(p + "wq_b.weight"), c.load(p + "weights_proj.weight")
+        w = load_needs(c, spec.own_tensors(p), p)
+        self.q_b, self.weights = w["wq_b.weight"], w["weights_proj.weight"]
 
     def select(self, h, q_res, pos, cache, i: int, cos, sin) -> np.ndarray:
         """[T, N] bool: the entries each query attends to."""
