@@ -490,3 +490,26 @@ class DeepseekV4:
         spec.head = StreamHead(spec.vocab_size, H, n_hc, r.number("hc_eps"), spec.tie_word_embeddings, LAYOUT.head)
         spec.rope_tables = tables
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[Need]:
+        """The release's MTP blocks (``mtp.K.``, for the catalog's sizes): a sliding layer with a
+        score-routed gate (vLLM gives it no compressor; its compress_ratios entry is 0), e_proj /
+        h_proj [H, H], enorm / hnorm / norm and its own hc head."""
+        n = config.get("num_nextn_predict_layers") or 0
+        if not isinstance(n, int) or n <= 0:
+            return []
+        H = spec.hidden_size
+        rates = {**DEFAULT_RATES, **{t: m for t, m in attention_kinds(
+            ConfigReader("deepseek_v4", config, DEFAULTS, ALIASES), spec.num_layers) if m}}
+        one = {k: v for k, v in config.items() if k not in ("compress_ratios", "num_hash_layers")}
+        one.update(num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"], compress_rates=rates)
+        layer = DeepseekV4.spec(one).layers[0]
+        out = []
+        for k in range(n):
+            p = f"mtp.{k}."
+            out += [t for t in layer.tensors(p, H) if t.synthetic and t.shape]
+            out += [Need(p + w + ".weight", (H, H)) for w in ("e_proj", "h_proj")]
+            out += [Need(p + w + ".weight", (H,)) for w in ("enorm", "hnorm")]
+            out += StreamHead(spec.vocab_size, H, layer.n, 0.0, True, LAYOUT.head).tensors(p)   # + its norm
+        return out
