@@ -184,8 +184,10 @@ class CompressedState:
         m, d, w = kind.ratio, kind.dim, kind.dim * (2 if kind.overlap else 1)
         self.ratio = m
         self.kv, self.gate = np.zeros((m, w), np.float32), np.zeros((m, w), np.float32)
-        # before the first block: gate -inf, softmax weight 0
-        self.prior_kv, self.prior_gate = np.zeros((m, d), np.float32), np.full((m, d), -np.inf, np.float32)
+        # (CSA) the last complete block's first half; before the first block: gate -inf, softmax
+        # weight 0. HCA keeps none (Compressed.fixed_bytes counts what is here)
+        o = m if kind.overlap else 0
+        self.prior_kv, self.prior_gate = np.zeros((o, d), np.float32), np.full((o, d), -np.inf, np.float32)
         self._rows = entries if entries is not None else np.zeros((0, d), np.float32)   # old rows: dead
 
     def entries(self, length: int) -> np.ndarray:
