@@ -141,6 +141,9 @@ def rope_tables(r: ConfigReader, rope_dim: int, head_dim: int) -> dict[str, Rope
 
 
 # --- the compressors' cache kind (to join core/cache_kinds.py when a second family needs it) ----
+OPEN = ("kv", "gate", "prior_kv", "prior_gate")     # a compressor's state besides its entries
+
+
 @dataclass(frozen=True)
 class Compressed:
     """A compressor's state, kept as an object of its own (core.cache: ``cache[i][name]``): its
@@ -148,8 +151,8 @@ class Compressed:
     of the block not complete yet and, with ``overlap`` (CSA), the last complete block's first
     half (the next entry's window starts there). How many entries and open rows count follows from
     the cache's length. Positions folded into entries cannot be dropped (not truncatable); a
-    checkpoint copies the open rows and the overlap (entries never change once written); saved
-    sessions skip it (core.cache: not savable)."""
+    checkpoint copies the open rows and the overlap (entries never change once written). Saved
+    sessions (core.sessions) write ``to_arrays`` and read them back with ``from_arrays``."""
     ratio: int
     dim: int
     overlap: bool
@@ -172,11 +175,33 @@ class Compressed:
         old = recycled.get(self.name)
         return CompressedState(self, old._rows if isinstance(old, CompressedState) else None)
 
-    def checkpoint(self, st: "CompressedState") -> tuple:
-        return st.kv.copy(), st.gate.copy(), st.prior_kv.copy(), st.prior_gate.copy()
+    def checkpoint(self, st: "CompressedState") -> dict:
+        return {name: getattr(st, name).copy() for name in OPEN}
 
-    def restore(self, st: "CompressedState", saved: tuple) -> None:
-        st.kv, st.gate, st.prior_kv, st.prior_gate = (a.copy() for a in saved)
+    def restore(self, st: "CompressedState", saved: dict) -> None:
+        for name in OPEN:
+            setattr(st, name, saved[name].copy())
+
+    # saved sessions: the entries so far and the open block, float32; ``version`` names this
+    # layout in the file (a change of it makes older files computed again, never misread)
+    version = 1
+
+    def saved_arrays(self, length: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, dtype) of what ``to_arrays`` gives at ``length`` positions."""
+        m, d = self.ratio, self.dim
+        w, o = d * (2 if self.overlap else 1), m if self.overlap else 0
+        shapes = {"entries": (length // m, d), "kv": (m, w), "gate": (m, w), "prior_kv": (o, d), "prior_gate": (o, d)}
+        return {name: (shape, "float32") for name, shape in shapes.items()}
+
+    def to_arrays(self, st: "CompressedState", length: int) -> dict:
+        return {"entries": st.entries(length), **{name: getattr(st, name) for name in OPEN}}
+
+    def from_arrays(self, st: "CompressedState", arrays: dict, length: int) -> None:
+        """Continue from saved arrays (shapes as saved_arrays(length) says: the caller checked)."""
+        st._rows = arrays["entries"]          # later entries grow it by doubling
+        for name in OPEN:
+            setattr(st, name, arrays[name])
+
 
 
 class CompressedState:
