@@ -98,6 +98,11 @@ def test_the_file_is_bound_to_the_model_the_precision_and_intact_bytes(saved, de
     other = open_engine(str(tiny_app_container(tmp_path, "other")))
     r = store.restore(other, 1, list(range(1, 40)))
     assert not r.loaded and "another model" in r.warning
+    # a format 1 file (written before the objects of format 2; the same bytes otherwise) still reads
+    assert good[8:12] == struct.pack("<I", 2)
+    store.path(1).write_bytes(good[:8] + struct.pack("<I", 1) + good[12:])
+    fresh = open_engine(demo)
+    assert store.restore(fresh, 1, fresh.prompt_ids(msgs)).loaded
 
 
 def test_disk_budget_evicts_the_least_recently_used(demo, tmp_path):
