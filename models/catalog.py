@@ -129,22 +129,26 @@ def _native_fp4(name: str, config: dict) -> bool:
     return config.get("expert_dtype") == "fp4" and re.search(r"\.experts\.\d+\.", name) is not None
 
 
-def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout) -> int:
+def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout, float32: bool = False) -> int:
     """Bytes of one tensor in the checkpoint the Hub ships: the config's dtype, or block FP8 (1 byte
-    a value + an f32 scale_inv per 128 x 128 block) for the decoder layers' projections when the
-    config says ``quantization_config.quant_method = "fp8"`` (embeddings, lm_head, norms and the
-    router stay BF16, e_score_correction_bias F32, as the block-FP8 releases ship them)."""
+    a value + an f32 scale_inv per 128 x 128 block; a UE8M0 byte with ``scale_fmt = "ue8m0"``) for
+    the decoder layers' projections (and a top-level MTP module's: ``mtp.*``) when the config says ``quantization_config.quant_method =
+    "fp8"`` (embeddings, lm_head, norms, the router and the matrices the blocks read as numbers --
+    ``float32``, Need.float32: DeepSeek-V4's compressors -- stay BF16, e_score_correction_bias F32,
+    as the block-FP8 releases ship them); FP4 experts as ``fp4_bytes``."""
     n = math.prod(shape)
     if _native_fp4(name, config):
         return fp4_bytes(shape)
     if name.endswith("e_score_correction_bias"):
         return 4 * n
     q = config.get("quantization_config") or {}
-    if (q.get("quant_method") == "fp8" and len(shape) == 2 and name.startswith(layout.prefix + "layers.")
-            and layout.tensor_class(name, 2) != "f32"         # the router
+    decoder = name.startswith(layout.prefix + "layers.") or layout.mtp_group(name, None) is not None   # or MTP
+    if (q.get("quant_method") == "fp8" and len(shape) == 2 and decoder
+            and layout.tensor_class(name, 2) != "f32" and not float32         # the router
             and not any(m and name.startswith(m) for m in q.get("modules_to_not_convert") or ())):
         block = (q.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK])
-        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+        scale = 1 if q.get("scale_fmt") == "ue8m0" else 4
+        return n + scale * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return SOURCE_BYTES.get(dtype, 2) * n
 
@@ -175,7 +179,7 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
             continue
         b, n = stored(t), math.prod(t.shape)
         total, params = total + b, params + n
-        source += _source_bytes(t.name, t.shape, config, layout)
+        source += _source_bytes(t.name, t.shape, config, layout, t.float32)
         place = layout.experts.place(t.name)
         if place is not None:
             experts, expert_params = experts + b, expert_params + n
@@ -187,7 +191,7 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
     mtp = [m if isinstance(m, Need) else Need(*m)
            for m in (fam.mtp_tensors(spec, config) if hasattr(fam, "mtp_tensors") else [])]
     mtp_bytes = sum(stored(m) for m in mtp)
-    source += sum(_source_bytes(m.name, m.shape, config, layout) for m in mtp)
+    source += sum(_source_bytes(m.name, m.shape, config, layout, m.float32) for m in mtp)
     dense = total - experts
     kv = cache_kinds.bytes_per_position(spec.cache_kinds, KV_DTYPE)
     positions = min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)
