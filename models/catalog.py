@@ -134,7 +134,7 @@ def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout, float
     a value + an f32 scale_inv per 128 x 128 block; a UE8M0 byte with ``scale_fmt = "ue8m0"``) for
     the decoder layers' projections (and a top-level MTP module's: ``mtp.*``) when the config says ``quantization_config.quant_method =
     "fp8"`` (embeddings, lm_head, norms, the router and the matrices the blocks read as numbers --
-    ``float32``, Need.float32: DeepSeek-V4's compressors -- stay BF16, e_score_correction_bias F32,
+    ``float32``, Need.float32: a compressor's projections -- stay BF16, e_score_correction_bias F32,
     as the block-FP8 releases ship them); FP4 experts as ``fp4_bytes``."""
     n = math.prod(shape)
     if _native_fp4(name, config):
