@@ -490,7 +490,8 @@ def cmd_plan(args) -> int:
     kinds = d["cache_kinds"]
     if len(kinds) > 1:                # each kind apart (per layer it is on)
         for n, k in enumerate(kinds):
-            print(f"{'by kind' if n == 0 else '':17}{k['kind']} on {k['layers']} layer{'s' if k['layers'] != 1 else ''}: "
+            layers = f"{k['layers']} layer{'s' if k['layers'] != 1 else ''}"
+            print(f"{'by kind' if n == 0 else '':17}{k['kind']} on {layers}: "
                   f"{k['bytes_per_position']:,} bytes per position + {k['fixed_bytes']:,} fixed each")
     print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
     print(f"projected hits   {plan.projected_hit_rate:.1%}")

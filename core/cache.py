@@ -79,7 +79,8 @@ class KVCache:
 
     def objects(self) -> list[list]:
         """Per layer, (kind, what it keeps) of the kinds keeping an object (core.sessions)."""
-        return [[(k, kept[k.name]) for k in kinds if not _keeps_arrays(k)] for kinds, kept in zip(self.kinds, self.layers)]
+        return [[(k, kept[k.name]) for k in kinds if not _keeps_arrays(k)]
+                for kinds, kept in zip(self.kinds, self.layers)]
 
     @property
     def truncatable(self) -> bool:

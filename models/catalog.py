@@ -132,10 +132,11 @@ def _native_fp4(name: str, config: dict) -> bool:
 def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout, float32: bool = False) -> int:
     """Bytes of one tensor in the checkpoint the Hub ships: the config's dtype, or block FP8 (1 byte
     a value + an f32 scale_inv per 128 x 128 block; a UE8M0 byte with ``scale_fmt = "ue8m0"``) for
-    the decoder layers' projections (and a top-level MTP module's: ``mtp.*``) when the config says ``quantization_config.quant_method =
-    "fp8"`` (embeddings, lm_head, norms, the router and the matrices the blocks read as numbers --
-    ``float32``, Need.float32: a compressor's projections -- stay BF16, e_score_correction_bias F32,
-    as the block-FP8 releases ship them); FP4 experts as ``fp4_bytes``."""
+    the decoder layers' projections (and a top-level MTP module's: ``mtp.*``) when the config says
+    ``quantization_config.quant_method = "fp8"`` (embeddings, lm_head, norms, the router and the
+    matrices the blocks read as numbers -- ``float32``, Need.float32: a compressor's projections --
+    stay BF16, e_score_correction_bias F32, as the block-FP8 releases ship them); FP4 experts as
+    ``fp4_bytes``."""
     n = math.prod(shape)
     if _native_fp4(name, config):
         return fp4_bytes(shape)
@@ -157,9 +158,10 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
     """An entry's sizes from its published config.json, through the family's own layout (every
     tensor core.layout.expected_tensors lists, at the class its layout gives it: latent
     attention, indexers, shared experts, dense-first layers...), its MTP layers (the family's
-    ``mtp_tensors``) and its cache kinds. FP4 routed experts (``expert_dtype``) count as shipped. ``family``: the key (models.registry.FAMILIES) of the
-    family that reads the config, when it is not the config's own type. Imports numpy (the
-    families do): the UI reads the numbers the catalog stores, which a test checks against this."""
+    ``mtp_tensors``) and its cache kinds; FP4 routed experts (``expert_dtype``) count as shipped.
+    ``family``: the key (models.registry.FAMILIES) of the family that reads the config, when it
+    is not the config's own type. Imports numpy (the families do): the UI reads the numbers the
+    catalog stores, which a test checks against this."""
     from core import cache_kinds
     from core.blocks.common import Need
     from core.layout import expected_tensors

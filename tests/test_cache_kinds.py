@@ -204,15 +204,18 @@ def test_coli_plan_states_each_dsv4_kind_and_the_state_holds_what_it_says(contai
     cfg = json.loads((path / "config.json").read_text())
     spec = family_for(cfg).spec(cfg)
     D, d, W = cfg["head_dim"], cfg["index_head_dim"], cfg["sliding_window"]
-    csa, hca = cfg["compress_rates"]["compressed_sparse_attention"], cfg["compress_rates"]["heavily_compressed_attention"]
+    rates = cfg["compress_rates"]
+    csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
     rows = {r["kind"]: r for r in by_kind(spec.cache_kinds)}
     assert rows[f"ring of {W} (kv: 1 x {D} each)"] == {"kind": f"ring of {W} (kv: 1 x {D} each)", "layers": 4,
                                                        "bytes_per_position": 0, "fixed_bytes": W * D * 4}
-    entries, index = rows[f"compressed entries ({D} per {csa} positions)"], rows[f"indexer keys ({d} per {csa} positions)"]
-    assert (entries["layers"], entries["bytes_per_position"], entries["fixed_bytes"]) == (2, D * 4 // csa, 4 * 2 * csa * 3 * D)
-    assert (index["layers"], index["bytes_per_position"], index["fixed_bytes"]) == (2, d * 4 // csa, 4 * 2 * csa * 3 * d)
+    entries = rows[f"compressed entries ({D} per {csa} positions)"]
+    index = rows[f"indexer keys ({d} per {csa} positions)"]
+    numbers = lambda row: (row["layers"], row["bytes_per_position"], row["fixed_bytes"])    # noqa: E731
+    assert numbers(entries) == (2, D * 4 // csa, 4 * 2 * csa * 3 * D)
+    assert numbers(index) == (2, d * 4 // csa, 4 * 2 * csa * 3 * d)
     heavy = rows[f"compressed entries ({D} per {hca} positions)"]
-    assert (heavy["layers"], heavy["bytes_per_position"], heavy["fixed_bytes"]) == (1, D * 4 // hca, 4 * 2 * hca * D)
+    assert numbers(heavy) == (1, D * 4 // hca, 4 * 2 * hca * D)
     assert coli(["plan", "--model", str(path)]) == 0
     out = capsys.readouterr().out
     for k in rows.values():

@@ -315,5 +315,6 @@ def test_the_wizard_shows_dsv4_flash(env, monkeypatch):
             table.move_cursor(row=keys.index(repo))
             await pilot.pause()
             detail = str(wiz.query_one("#fit-detail").render())
-            assert f"{repo} · streams from disk" in detail and "4096-token context 0.1 GB (fixed state 0.02 GB)" in detail
+            assert f"{repo} · streams from disk" in detail
+            assert "4096-token context 0.1 GB (fixed state 0.02 GB)" in detail
     asyncio.run(run())
