@@ -143,6 +143,9 @@ def rope_tables(r: ConfigReader, rope_dim: int, head_dim: int) -> dict[str, Rope
 
 
 # --- the compressors' cache kind (to join core/cache_kinds.py when a second family needs it) ----
+OPEN = ("kv", "gate", "prior_kv", "prior_gate")     # a compressor's state besides its entries
+
+
 @dataclass(frozen=True)
 class Compressed:
     """A compressor's state, kept as an object of its own (core.cache: ``cache[i][name]``): its
@@ -150,8 +153,8 @@ class Compressed:
     of the block not complete yet and, with ``overlap`` (CSA), the last complete block's first
     half (the next entry's window starts there). How many entries and open rows count follows from
     the cache's length. Positions folded into entries cannot be dropped (not truncatable); a
-    checkpoint copies the open rows and the overlap (entries never change once written); saved
-    sessions skip it (core.cache: not savable)."""
+    checkpoint copies the open rows and the overlap (entries never change once written). Saved
+    sessions (core.sessions) write ``to_arrays`` and read them back with ``from_arrays``."""
     ratio: int
     dim: int
     overlap: bool
@@ -174,11 +177,33 @@ class Compressed:
         old = recycled.get(self.name)
         return CompressedState(self, old._rows if isinstance(old, CompressedState) else None)
 
-    def checkpoint(self, st: "CompressedState") -> tuple:
-        return st.kv.copy(), st.gate.copy(), st.prior_kv.copy(), st.prior_gate.copy()
+    def checkpoint(self, st: "CompressedState") -> dict:
+        return {name: getattr(st, name).copy() for name in OPEN}
 
-    def restore(self, st: "CompressedState", saved: tuple) -> None:
-        st.kv, st.gate, st.prior_kv, st.prior_gate = (a.copy() for a in saved)
+    def restore(self, st: "CompressedState", saved: dict) -> None:
+        for name in OPEN:
+            setattr(st, name, saved[name].copy())
+
+    # saved sessions: the entries so far and the open block, float32; ``version`` names this
+    # layout in the file (a change of it makes older files computed again, never misread)
+    version = 1
+
+    def saved_arrays(self, length: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, dtype) of what ``to_arrays`` gives at ``length`` positions."""
+        m, d = self.ratio, self.dim
+        w, o = d * (2 if self.overlap else 1), m if self.overlap else 0
+        shapes = {"entries": (length // m, d), "kv": (m, w), "gate": (m, w), "prior_kv": (o, d), "prior_gate": (o, d)}
+        return {name: (shape, "float32") for name, shape in shapes.items()}
+
+    def to_arrays(self, st: "CompressedState", length: int) -> dict:
+        return {"entries": st.entries(length), **{name: getattr(st, name) for name in OPEN}}
+
+    def from_arrays(self, st: "CompressedState", arrays: dict, length: int) -> None:
+        """Continue from saved arrays (shapes as saved_arrays(length) says: the caller checked)."""
+        st._rows = arrays["entries"]          # later entries grow it by doubling
+        for name in OPEN:
+            setattr(st, name, arrays[name])
+
 
 
 class CompressedState:
@@ -186,8 +211,10 @@ class CompressedState:
         m, d, w = kind.ratio, kind.dim, kind.dim * (2 if kind.overlap else 1)
         self.ratio = m
         self.kv, self.gate = np.zeros((m, w), np.float32), np.zeros((m, w), np.float32)
-        # before the first block: gate -inf, softmax weight 0
-        self.prior_kv, self.prior_gate = np.zeros((m, d), np.float32), np.full((m, d), -np.inf, np.float32)
+        # (CSA) the last complete block's first half; before the first block: gate -inf, softmax
+        # weight 0. HCA keeps none (Compressed.fixed_bytes counts what is here)
+        o = m if kind.overlap else 0
+        self.prior_kv, self.prior_gate = np.zeros((o, d), np.float32), np.full((o, d), -np.inf, np.float32)
         self._rows = entries if entries is not None else np.zeros((0, d), np.float32)   # old rows: dead
 
     def entries(self, length: int) -> np.ndarray:
@@ -501,3 +528,26 @@ class DeepseekV4:
         spec.rope_tables = tables
         spec.chat_template = chat_template()
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[Need]:
+        """The release's MTP blocks (``mtp.K.``, for the catalog's sizes): a sliding layer with a
+        score-routed gate (vLLM gives it no compressor; its compress_ratios entry is 0), e_proj /
+        h_proj [H, H], enorm / hnorm / norm and its own hc head."""
+        n = config.get("num_nextn_predict_layers") or 0
+        if not isinstance(n, int) or n <= 0:
+            return []
+        H = spec.hidden_size
+        rates = {**DEFAULT_RATES, **{t: m for t, m in attention_kinds(
+            ConfigReader("deepseek_v4", config, DEFAULTS, ALIASES), spec.num_layers) if m}}
+        one = {k: v for k, v in config.items() if k not in ("compress_ratios", "num_hash_layers")}
+        one.update(num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"], compress_rates=rates)
+        layer = DeepseekV4.spec(one).layers[0]
+        out = []
+        for k in range(n):
+            p = f"mtp.{k}."
+            out += [t for t in layer.tensors(p, H) if t.synthetic and t.shape]
+            out += [Need(p + w + ".weight", (H, H)) for w in ("e_proj", "h_proj")]
+            out += [Need(p + w + ".weight", (H,)) for w in ("enorm", "hnorm")]
+            out += StreamHead(spec.vocab_size, H, layer.n, 0.0, True, LAYOUT.head).tensors(p)   # + its norm
+        return out

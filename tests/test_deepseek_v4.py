@@ -258,7 +258,7 @@ def test_prefix_reuse_continues_at_the_checkpoint_or_the_end(case):
     engine.usage_file = fresh.usage_file = None
     fresh.prefix_cache = False
     assert not engine.prefixes.truncatable
-    assert not engine.new_cache().savable       # saved sessions skip it (core.cache), never half a state
+    assert engine.new_cache().savable           # saved sessions write its objects (core.sessions)
 
     def turn(e, prompt):
         evs = list(e.generate(list(map(int, prompt)), SamplingParams(temperature=0.0), max_new_tokens=3))
