@@ -142,11 +142,8 @@ def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout, float
         return fp4_bytes(shape)
     if name.endswith("e_score_correction_bias"):
         return 4 * n
-    q = config.get("quantization_config") or {}
-    decoder = name.startswith(layout.prefix + "layers.") or layout.mtp_group(name, None) is not None   # or MTP
-    if (q.get("quant_method") == "fp8" and len(shape) == 2 and decoder
-            and layout.tensor_class(name, 2) != "f32" and not float32         # the router
-            and not any(m and name.startswith(m) for m in q.get("modules_to_not_convert") or ())):
+    if _block_fp8(name, shape, config, layout, float32):
+        q = config["quantization_config"]
         block = (q.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK])
         scale = 1 if q.get("scale_fmt") == "ue8m0" else 4
         return n + scale * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
@@ -154,7 +151,22 @@ def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout, float
     return SOURCE_BYTES.get(dtype, 2) * n
 
 
-def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
+def _block_fp8(name: str, shape: tuple[int, ...], config: dict, layout, float32: bool = False) -> bool:
+    """A tensor the release ships as block FP8 (see _source_bytes)."""
+    q = config.get("quantization_config") or {}
+    decoder = name.startswith(layout.prefix + "layers.") or layout.mtp_group(name, None) is not None   # or MTP
+    return (q.get("quant_method") == "fp8" and len(shape) == 2 and decoder
+            and layout.tensor_class(name, 2) != "f32" and not float32         # the router
+            and not any(m and name.startswith(m) for m in q.get("modules_to_not_convert") or ()))
+
+
+def default_bits(config: dict) -> int:
+    """coli convert's --bits when none is given (core.converter.default_bits): 16 for a release
+    whose experts ship in FP4 (kept as they are, the rest as shipped, FP8 widened to F32), else 4."""
+    return 16 if config.get("expert_dtype") == "fp4" else 4
+
+
+def estimate(config: dict, family: str | None = None, bits: int | None = None) -> dict:
     """An entry's sizes from its published config.json, through the family's own layout (every
     tensor core.layout.expected_tensors lists, at the class its layout gives it: latent
     attention, indexers, shared experts, dense-first layers...), its MTP layers (the family's
@@ -169,11 +181,15 @@ def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
     fam = FAMILIES[family] if family else family_for(config)
     spec = fam.spec(config)
     layout = spec.layout
+    bits = default_bits(config) if bits is None else bits
     total = experts = params = expert_params = source = 0
     per_layer: dict[int, int] = {}            # one MoE layer's routed-expert bytes, by layer
     def stored(t) -> int:         # what the converter writes for one tensor (Need)
-        if _native_fp4(t.name, config):
+        if bits == 16 and _native_fp4(t.name, config):         # --bits 4 / 8 requantize them too
             return fp4_bytes(t.shape)
+        if bits == 16 and config.get("quantization_config"):     # as shipped, block FP8 widened to F32
+            fp8 = _block_fp8(t.name, t.shape, config, layout, t.float32)
+            return 4 * math.prod(t.shape) if fp8 else _source_bytes(t.name, t.shape, config, layout, t.float32)
         return tensor_bytes(t.name, t.shape, layout, bits, float32=t.float32)
 
     for t in expected_tensors(spec):

@@ -223,9 +223,10 @@ def test_the_wizard_lists_glm5_streaming(env, monkeypatch):
 
 # --- DeepSeek-V4-Flash: FP4 experts kept as shipped, the dense part as the converter stores it -----
 def test_dsv4_flash_entry_counts_fp4_experts_natively_and_the_dense_part_by_class():
-    """The release's routed experts stay FP4 (E2M1 two a byte + a UE8M0 byte per 32 values) in the
-    container as in the download; the dense part follows the converter's class rule (int4 at
-    --bits 4, int8 at --bits 8; tensors the blocks read as numbers F32); the MTP block goes aside."""
+    """Converted with the defaults (--bits 16 for a release with FP4 experts), the routed experts
+    stay FP4 (E2M1 two a byte + a UE8M0 byte per 32 values) in the container as in the download,
+    the FP8 dense part is widened to F32; --bits 4 / 8 requantize everything by the converter's
+    class rule (tensors the blocks read as numbers F32); the MTP block goes aside."""
     from models.catalog import GB, estimate, load
     e = next(x for x in load() if x.repo == "deepseek-ai/DeepSeek-V4-Flash")
     assert e.family == "deepseek_v4" and "FP4 experts kept as shipped" in e.note
@@ -234,9 +235,9 @@ def test_dsv4_flash_entry_counts_fp4_experts_natively_and_the_dense_part_by_clas
     assert est["bytes"]["experts"] == 43 * 256 * 3 * one
     assert est["active_expert_gb"] * GB == pytest.approx(43 * 6 * 3 * one)
     assert 283 < e.params_b < 286 and 13 < e.active_b < 15             # 284B-A13B
-    eight = estimate(e.config, e.family, bits=8)
-    assert eight["bytes"]["experts"] == est["bytes"]["experts"]      # native whatever --bits
-    assert eight["bytes"]["dense"] > est["bytes"]["dense"]            # the int4 class at int8
+    four, eight = (estimate(e.config, e.family, bits=b) for b in (4, 8))
+    assert four["bytes"]["experts"] > est["bytes"]["experts"]        # int4-g64: 0.5625 bytes a weight
+    assert est["bytes"]["dense"] > eight["bytes"]["dense"] > four["bytes"]["dense"]   # F32, int8, int4
     # the cache: 21 CSA layers (entries 512 + indexer 128 values per 4 positions) + 20 HCA (512 / 128)
     assert e.kv_bytes_per_pos == 21 * (512 + 128) * 4 // 4 + 20 * 512 * 4 // 128
     assert est["mtp_gb"] > 0 and e.state_bytes > 43 * 128 * 512 * 4   # the window rings, fixed
@@ -282,13 +283,17 @@ def test_dsv4_hub_layout_estimate_is_what_coli_convert_writes(tmp_path):
             pytest.skip(f"this converter does not read the release's layout yet ({e})")
         raise
     total, experts, _ = container_bytes(out)
-    tables = 2 * config["vocab_size"] * config["num_experts_per_tok"]
-    assert (b["total"] + 4 * tables, b["experts"], b["mtp"]) == (total, experts, container_bytes(out, mtp=True)[0])
+    # as shipped (--bits 16): the same F32 / I64 under-count as the download's, FP8 widened to F32
+    off = {part: sum(2 * math.prod(v["shape"]) if v["dtype"] == "F32" else 6 * math.prod(v["shape"])
+                     for n, v in header.items() if v["dtype"] in ("F32", "I64") and n.startswith("mtp.") == part)
+           for part in (False, True)}
+    assert (b["total"] + off[False], b["experts"], b["mtp"] + off[True]) == (total, experts, container_bytes(out, mtp=True)[0])
 
 
 def test_the_wizard_shows_dsv4_flash(env, monkeypatch):
-    """On a 64 GB machine with 2 TB free, DeepSeek-V4-Flash's row: 284B (13.8B active), a 153 GB
-    container (FP4 experts as shipped), streaming; the detail line gives the small cache."""
+    """On a 64 GB machine with 2 TB free, DeepSeek-V4-Flash's row: 284B (13.8B active), a 173.5 GB
+    container (FP4 experts as shipped, FP8 dense widened), streaming; the detail line gives the
+    small cache."""
     from collections import namedtuple
 
     import psutil
@@ -310,7 +315,7 @@ def test_the_wizard_shows_dsv4_flash(env, monkeypatch):
             await wait_for(pilot, lambda: table.row_count > 0)
             keys = [r.key.value for r in table.ordered_rows]
             cells = [str(c) for c in table.get_row(repo)]
-            assert "284.3B (13.8B)" in cells and "153.1 GB" in cells and "159.5 GB" in cells
+            assert "284.3B (13.8B)" in cells and "173.5 GB" in cells and "159.5 GB" in cells
             assert any(c.startswith("streams ≈") for c in cells)
             table.move_cursor(row=keys.index(repo))
             await pilot.pause()
