@@ -60,7 +60,31 @@ RENAMES: tuple[tuple[str, str], ...] = (
     (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
     (r"^layers\.(\d+)\.attn\.kv_norm\.", r"model.layers.\1.attn.norm."),
     (r"^layers\.", "model.layers."),
-)
+) + tuple(
+    # transformers' in-memory names (a state dict saved as it is, as save_pretrained without its
+    # reverse mapping writes it) -> the same saved names; the experts' fused gate_up_proj / down_proj
+    # are then split into w1 / w3 / w2 by the layout's fused rule. Applied in order: the
+    # compressors' prefixes first, then their parts.
+    (rf"^(model\.layers\.\d+)\.{old}", rf"\1.{new}") for old, new in (
+        (r"(attn|ffn)_hc\.(fn|base|scale)$", r"hc_\2_\3"),
+        (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
+        (r"mlp\.gate\.e_score_correction_bias$", "ffn.gate.bias"),
+        (r"mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+        (r"mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+        (r"mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."), (r"mlp\.", "ffn."),
+        (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
+        (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+        (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+        (r"self_attn\.compressor\.", "attn.compressor."),
+        (r"(attn\.(?:indexer\.)?compressor)\.gate_proj\.", r"\2.wgate."),
+        (r"(attn\.(?:indexer\.)?compressor)\.kv_proj\.", r"\2.wkv."),
+        (r"(attn\.(?:indexer\.)?compressor)\.kv_norm\.", r"\2.norm."),
+        (r"(attn\.(?:indexer\.)?compressor)\.position_bias$", r"\2.ape"),
+        (r"self_attn\.q_a_proj\.", "attn.wq_a."), (r"self_attn\.q_b_proj\.", "attn.wq_b."),
+        (r"self_attn\.kv_proj\.", "attn.wkv."), (r"self_attn\.o_a_proj\.", "attn.wo_a."),
+        (r"self_attn\.o_b_proj\.", "attn.wo_b."), (r"self_attn\.q_a_norm\.", "attn.q_norm."),
+        (r"self_attn\.kv_norm\.", "attn.norm."), (r"self_attn\.sinks$", "attn.attn_sink"))
+) + ((r"^lm_head\.weight$", "head.weight"),)
 LAYOUT = Layout(head="head.weight", experts=ExpertPattern(parts=W123), renames=RENAMES)
 
 
