@@ -272,9 +272,14 @@ class Container:
                 raise ColiError(f"{self.path}: expert {layer}/{expert} spans two shards")
             loc.start, loc.end = min(loc.start, info.start), max(loc.end, info.end)
             loc.parts[part] = (name, info)
+        roles = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
         for (layer, expert), loc in found.items():
             if loc.end - loc.start != sum(i.nbytes for _, i in loc.parts.values()):
                 raise ColiError(f"{self.path}: expert {layer}/{expert} is not contiguous in its shard")
+            have = {self.expert_roles.get(p, p) for p in loc.parts}
+            if not have.issuperset(roles):     # a pattern or part names that do not fit the tensors
+                raise ColiError(f"{self.path}: expert {layer}/{expert} has no {', '.join(r for r in roles if r not in have)} "
+                                f"({MANIFEST}'s expert_pattern / expert_parts do not fit its tensors)")
         return found
 
     def load(self, name: str) -> Weight:

@@ -7,7 +7,7 @@ A quantized weight NAME of logical shape [O, I] is stored as U8 ``NAME`` plus F3
   s = max(absmax(group) / 7, 1e-8); q = clip(rint(w / s), -8, 7); the last group is zero-padded.
 * int8 per row: ``NAME`` is [O, I] (bytes are two's-complement int8); ``NAME.qs`` is [O];
   value = q * s[o]; s = absmax(row) / 127.
-* FP4 as shipped (``FP4``: DeepSeek V4's routed experts, Kimi K3's MXFP4): ``NAME`` is U8
+* FP4 as shipped (``FP4``: releases whose routed experts are E2M1 with UE8M0 scales, MXFP4 too): ``NAME`` is U8
   [O, ceil(I/2)] of E2M1 codes, byte k holding element 2k in the low nibble and 2k+1 in the high
   one; ``NAME.qs`` is U8 [O, ceil(I/32)] of UE8M0 scales (see the FP4 section below).
 
@@ -82,9 +82,9 @@ def matmul_int8_ref(x: np.ndarray, q: np.ndarray, scales: np.ndarray) -> np.ndar
 
 
 # --- FP4: E2M1 codes with a UE8M0 scale per 32 (the source's bits, kept as they are) ---------------
-# DeepSeek V4 ships routed experts as ``X.weight`` I8 [O, I/2] + ``X.scale`` F8_E8M0 [O, I/32];
-# Kimi K3 (compressed-tensors mxfp4) as ``weight_packed`` U8 [O, I/2] + ``weight_scale`` U8
-# [O, I/32]. Both are this one encoding: a converter copies the weight bytes to U8 ``NAME`` and the
+# Releases ship them as ``X.weight`` I8 [O, I/2] + ``X.scale`` F8_E8M0 [O, I/32], or (compressed-
+# tensors mxfp4) as ``weight_packed`` U8 [O, I/2] + ``weight_scale`` U8 [O, I/32]. Both are this
+# one encoding: a converter copies the weight bytes to U8 ``NAME`` and the
 # scale bytes to U8 ``NAME.qs`` unchanged (``check_fp4`` first). A code's bit 3 is the sign, bits
 # 0-2 index the magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; a scale byte b is 2^(b - 127), b = 255 NaN.
 # value = E2M1[code] * 2^(b - 127) in float32: exact whenever it is finite (a power-of-two times a
@@ -110,7 +110,7 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[O, I] float -> (codes uint8 [O, ceil(I/2)], scale bytes uint8 [O, ceil(I/32)]).
 
     Per group of 32: the smallest power of two s with amax / s <= 6 (s = 2^ceil(log2(amax / 6)),
-    amax / 6 in float32, as DeepSeek's ue8m0 scales round up; clamped to 2^-127..2^127; an all-zero
+    amax / 6 in float32, as ue8m0 scales round up; clamped to 2^-127..2^127; an all-zero
     group gets 2^0), then each w / s (exact) to the nearest E2M1 magnitude, ties to the even code
     (round-to-nearest-even of the one mantissa bit), the sign from w's sign bit. Tests and
     synthetic containers use it; shipped FP4 is copied, never re-encoded."""
@@ -155,8 +155,8 @@ def matmul_fp4_ref(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, cols: 
 
 def fp4_layout_error(rows: int, cols: int, codes: tuple, scales: tuple) -> str | None:
     """Why stored (dtype, shape) pairs of codes and scale bytes do not hold an [rows, cols] FP4
-    tensor, or None. Dtypes: U8 (ours, compressed-tensors), I8 (DeepSeek's codes), F8_E8M0
-    (DeepSeek's scales) -- bytes all."""
+    tensor, or None. Dtypes: U8 (ours, compressed-tensors), I8 (a release's codes), F8_E8M0
+    (a release's scales) -- bytes all."""
     want_c, want_s = fp4_shapes(rows, cols)
     (cd, cs), (sd, ss) = codes, scales
     if cd not in ("U8", "I8") or tuple(cs) != want_c:
