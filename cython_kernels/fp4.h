@@ -24,10 +24,9 @@
  *
  * Decode per group, AVX-512: the 16 bytes widened to 32-bit lanes, the scale byte's row of value
  * tables (coli_f4_val), vpermps of the byte (it reads the low 4 bits: the low nibble's code, sign
- * included) and
- * of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so the values' two non-zero bytes are
- * looked up with vpshufb instead, 32 codes at once (coli_f4_group256).  NEON: the value table looked up byte-wise
- * (coli_f4_group_neon), two rows a pass.
+ * included) and of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so the values' two non-zero
+ * bytes are looked up with vpshufb instead, 32 codes at once (coli_f4_group256).  NEON: the value
+ * table looked up byte-wise (coli_f4_group_neon), two rows a pass.
  */
 #ifndef COLI_FP4_H
 #define COLI_FP4_H
@@ -150,7 +149,8 @@ COLI_T_AVX2 static inline void coli_f4_group256(const uint8_t *w, const uint8_t 
 {
     const __m256i arr = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 0, 8, 1, 9, 2, 10, 3, 11,
                                          4, 12, 5, 13, 6, 14, 7, 15, 4, 12, 5, 13, 6, 14, 7, 15);
-    const __m256i cnt = _mm256_setr_epi64x(0, 4, 0, 4), m15 = _mm256_set1_epi8(15), top = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i cnt = _mm256_setr_epi64x(0, 4, 0, 4), m15 = _mm256_set1_epi8(15);
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
     __m256i c = _mm256_and_si256(_mm256_srlv_epi64(_mm256_shuffle_epi8(y, arr), cnt), m15);
     __m256i b2 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)t), c);
@@ -411,8 +411,8 @@ COLI_T_AVX2 COLI_INLINE void coli_f4_pass256(const float *xp, const uint8_t *W, 
 COLI_T_AVX2 static void coli_f4_rows256(const float *xp, const uint8_t *W, const uint8_t *S,
                                         coli_idx K, coli_idx o0, coli_idx o1, float *y)
 {
-    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, i, g = full;
-    coli_idx q = (o1 - o0) / COLI_F4_R256, o;
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, i;
+    coli_idx g = full, q = (o1 - o0) / COLI_F4_R256, o;
     for (i = 0; i < q + (o1 - o0) % COLI_F4_R256; i++) {
         int R = i < q ? COLI_F4_R256 : 1, r, h;
         coli_idx rows[COLI_F4_R256];
