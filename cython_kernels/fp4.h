@@ -24,10 +24,9 @@
  *
  * Decode per group, AVX-512: the 16 bytes widened to 32-bit lanes, the scale byte's row of value
  * tables (coli_f4_val), vpermps of the byte (it reads the low 4 bits: the low nibble's code, sign
- * included) and
- * of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so an 8-entry magnitude table and the sign
- * bit moved to bit 31 (coli_f4_half256).  NEON: the value table looked up byte-wise
- * (coli_f4_group_neon), two rows a pass.
+ * included) and of byte >> 4, two FMAs.  AVX2: vpermps reads 3 bits, so the values' two non-zero
+ * bytes are looked up with vpshufb instead, 32 codes at once (coli_f4_group256).  NEON: the value
+ * table looked up byte-wise (coli_f4_group_neon), two rows a pass.
  */
 #ifndef COLI_FP4_H
 #define COLI_FP4_H
@@ -38,6 +37,7 @@
 enum { COLI_F4_G = 32 };      /* columns per scale */
 enum { COLI_F4_RB = 64 };     /* weight rows per work block of a one-row product */
 enum { COLI_F4_R512 = 4 };    /* row streams per pass of the AVX-512 one-row kernel */
+enum { COLI_F4_R256 = 2 };    /* and of the AVX2 one */
 
 static const float coli_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -47,9 +47,26 @@ static const float coli_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.
  * the extension loads: a group reads its 16 values (64 bytes) straight from here -- AVX-512's
  * vpermps takes them as its memory operand -- instead of scaling a table per group (one vmulps
  * per 16 bytes: 0.86-0.90 of the int4 kernel's decode speed on one core, 6 operations per 16
- * bytes like int4's without it).  coli_f4_val8x: AVX2's 8-entry form (coli_f4_half256). */
+ * bytes like int4's without it).  coli_f4_b23: AVX2's byte form (coli_f4_group256). */
 static float coli_f4_val[256][16];
-static uint32_t coli_f4_val8x[256][8];
+static uint8_t coli_f4_b23[256][64];
+
+/* AVX2's form of coli_f4_val: every value has its low 16 bits zero (at most two significant bits,
+ * or a subnormal multiple of 2^-128, +-inf, NaN), so it is the 16-bit pattern of bits 16-31, and
+ * a group looks up those two bytes with vpshufb (coli_f4_group256): row b holds byte 2 of the 16
+ * values twice (both 128-bit lanes), then byte 3 twice. */
+static void coli_f4_init_b23(int b)
+{
+    int c, k;
+    for (c = 0; c < 16; c++) {
+        uint32_t u;
+        memcpy(&u, &coli_f4_val[b][c], sizeof u);
+        for (k = 0; k < 2; k++) {
+            coli_f4_b23[b][16 * k + c] = (uint8_t)(u >> 16);
+            coli_f4_b23[b][32 + 16 * k + c] = (uint8_t)(u >> 24);
+        }
+    }
+}
 
 static void coli_f4_init(void)
 {
@@ -60,10 +77,7 @@ static void coli_f4_init(void)
         memcpy(&s, &u, sizeof u);
         for (c = 0; c < 16; c++)
             coli_f4_val[b][c] = coli_e2m1[c] * s;
-        for (c = 0; c < 8; c++) {
-            memcpy(&coli_f4_val8x[b][c], &coli_f4_val[b][c], sizeof u);
-            coli_f4_val8x[b][c] ^= (uint32_t)c << 28;
-        }
+        coli_f4_init_b23(b);
     }
 }
 
@@ -121,20 +135,31 @@ COLI_T_AVX512 static inline void coli_f4_group512(const uint8_t *w, uint8_t sb, 
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
 }
 
-/* 8 bytes: lo / hi are the values of their low / high nibbles (lanes 0-7).  vpermps reads 3 bits
- * of a lane; the table (coli_f4_val8x) holds entry c as the bits of |E2M1[c]| * s xor c << 28,
- * so that xoring the code << 28 back (bits 0-3 of the lane; the rest shift out) leaves the value
- * with the code's bit 3 as its sign: three operations per 8 values, no and. */
-COLI_T_AVX2 static inline void coli_f4_half256(const uint8_t *w, __m256 lut, __m256 *lo, __m256 *hi)
+/* A whole group (16 bytes w, the scale byte's coli_f4_b23 row t): v[0] = the values of the low
+ * nibbles of bytes 0-7 (lanes 0-7), v[1] of bytes 8-15, v[2] / v[3] of the high nibbles.
+ * vpermps reads 3 bits, so a 16-entry float table took a sign fix-up per 8 values (two shifts and
+ * an xor: 20 vector operations a group with the FMAs, ~7 cycles on a Zen 4 core).  Here vpshufb
+ * looks up 32 codes at once in the two 16-byte tables (bytes 2 and 3 of every value), an unpack
+ * pairs them into 16-bit patterns, and each 32-bit lane takes its even pattern by a shift (the
+ * low nibble of byte 4h + l for lane l of half h), its odd one by an and (byte 8 + 4h + l): 15
+ * operations.  For that the codes are arranged first (a vpshufb, a shift of the odd qwords by 4,
+ * an and): byte 2l / 2l + 1 of half h the codes of bytes 4h + l / 8 + 4h + l, the low nibbles in
+ * bytes 0-7 of the half, the high ones in 8-15.  The same floats as coli_f4_val, -0 included. */
+COLI_T_AVX2 static inline void coli_f4_group256(const uint8_t *w, const uint8_t *t, __m256 v[4])
 {
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w)), h = _mm256_srli_epi32(b, 4);
-    *lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, b), _mm256_castsi256_ps(_mm256_slli_epi32(b, 28)));
-    *hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, h), _mm256_castsi256_ps(_mm256_slli_epi32(h, 28)));
-}
-
-COLI_T_AVX2 static inline __m256 coli_f4_lut256(uint8_t sb)
-{
-    return _mm256_loadu_ps((const float *)coli_f4_val8x[sb]);
+    const __m256i arr = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 0, 8, 1, 9, 2, 10, 3, 11,
+                                         4, 12, 5, 13, 6, 14, 7, 15, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i cnt = _mm256_setr_epi64x(0, 4, 0, 4), m15 = _mm256_set1_epi8(15);
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
+    __m256i c = _mm256_and_si256(_mm256_srlv_epi64(_mm256_shuffle_epi8(y, arr), cnt), m15);
+    __m256i b2 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)t), c);
+    __m256i b3 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(t + 32)), c);
+    __m256i lo = _mm256_unpacklo_epi8(b2, b3), hi = _mm256_unpackhi_epi8(b2, b3);
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+    v[1] = _mm256_castsi256_ps(_mm256_and_si256(lo, top));
+    v[2] = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+    v[3] = _mm256_castsi256_ps(_mm256_and_si256(hi, top));
 }
 
 /* A whole group's 32 values into out, in positions. */
@@ -148,13 +173,11 @@ COLI_T_AVX512 static void coli_f4_store512(const uint8_t *w, uint8_t sb, float *
 
 COLI_T_AVX2 static void coli_f4_store256(const uint8_t *w, uint8_t sb, float *out)
 {
-    __m256 lut = coli_f4_lut256(sb), lo, hi;
-    int h;
-    for (h = 0; h < 2; h++) {
-        coli_f4_half256(w + 8 * h, lut, &lo, &hi);
-        _mm256_storeu_ps(out + 8 * h, lo);
-        _mm256_storeu_ps(out + 16 + 8 * h, hi);
-    }
+    __m256 v[4];
+    int q;
+    coli_f4_group256(w, coli_f4_b23[sb], v);
+    for (q = 0; q < 4; q++)
+        _mm256_storeu_ps(out + 8 * q, v[q]);
 }
 #endif
 
@@ -356,38 +379,57 @@ COLI_T_AVX512 static void coli_f4_rows512(const float *xp, const uint8_t *W, con
     }
 }
 
-/* Two rows at a time (lanes 0-7 and 8-15 of each in two ymm: 4 accumulators, 16 registers). */
+/* The whole groups of R rows (a constant where it is inlined): row r's lanes 0-7 / 8-15 in
+ * a[r][0] / a[r][1], one x load feeding the R rows; each stream asks for its next row one line
+ * (four groups) ahead. */
+COLI_T_AVX2 COLI_INLINE void coli_f4_pass256(const float *xp, const uint8_t *W, const uint8_t *S,
+                                             coli_idx ldb, coli_idx ng, coli_idx full,
+                                             const coli_idx *rows, const int R, __m256 (*a)[2])
+{
+    coli_idx g;
+    int r, h;
+    for (g = 0; g < full; g++) {
+        const float *xg = xp + COLI_F4_G * g;
+        if ((g & 3) == 0)
+            for (r = 0; r < R; r++)
+                _mm_prefetch((const char *)(W + (rows[r] + 1) * ldb + 16 * g), _MM_HINT_T0);
+        for (r = 0; r < R; r++) {
+            __m256 v[4];
+            coli_f4_group256(W + rows[r] * ldb + 16 * g, coli_f4_b23[S[rows[r] * ng + g]], v);
+            for (h = 0; h < 2; h++) {
+                a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * h), v[h], a[r][h]);
+                a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16 + 8 * h), v[2 + h], a[r][h]);
+            }
+        }
+    }
+}
+
+/* Two row streams a pass, half the block apart (rows o0 + i and o0 + q + i, as int4's AVX2 lane
+ * kernel pairs r with r + half), a row left over alone; a partial last group decoded by the
+ * portable routine (the same values).  Four streams (the AVX-512 kernel's) ran no faster: the
+ * decode's operations, not the FMA chains, set the pace, and eight accumulators spill. */
 COLI_T_AVX2 static void coli_f4_rows256(const float *xp, const uint8_t *W, const uint8_t *S,
                                         coli_idx K, coli_idx o0, coli_idx o1, float *y)
 {
-    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, o, g;
-    for (o = o0; o < o1;) {
-        int R = o1 - o >= 2 ? 2 : 1, r, h;
-        __m256 a[2][2];
-        for (r = 0; r < 2; r++)
+    coli_idx ldb = (K + 1) / 2, ng = (K + COLI_F4_G - 1) / COLI_F4_G, full = K / COLI_F4_G, i;
+    coli_idx g = full, q = (o1 - o0) / COLI_F4_R256, o;
+    for (i = 0; i < q + (o1 - o0) % COLI_F4_R256; i++) {
+        int R = i < q ? COLI_F4_R256 : 1, r, h;
+        coli_idx rows[COLI_F4_R256];
+        __m256 a[COLI_F4_R256][2];
+        for (r = 0; r < COLI_F4_R256; r++) {
+            rows[r] = i < q ? o0 + r * q + i : o0 + COLI_F4_R256 * q + (i - q);
             a[r][0] = a[r][1] = _mm256_setzero_ps();
-        for (g = 0; g < full; g++) {
-            const float *xg = xp + COLI_F4_G * g;
-#pragma GCC unroll 2
-            for (r = 0; r < 2; r++) {
-                if (r < R) {
-                    const uint8_t *wg = W + (o + r) * ldb + 16 * g;
-                    __m256 lut = coli_f4_lut256(S[(o + r) * ng + g]), lo, hi;
-                    if ((g & 3) == 0)     /* the next pass's rows, as the AVX-512 kernel */
-                        _mm_prefetch((const char *)(wg + 2 * ldb), _MM_HINT_T0);
-#pragma GCC unroll 2
-                    for (h = 0; h < 2; h++) {
-                        coli_f4_half256(wg + 8 * h, lut, &lo, &hi);
-                        a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * h), lo, a[r][h]);
-                        a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 16 + 8 * h), hi, a[r][h]);
-                    }
-                }
-            }
         }
+        if (R == COLI_F4_R256)
+            coli_f4_pass256(xp, W, S, ldb, ng, full, rows, COLI_F4_R256, a);
+        else
+            coli_f4_pass256(xp, W, S, ldb, ng, full, rows, 1, a);
         for (r = 0; r < R; r++) {
+            o = rows[r];
             if (g < ng) {
                 float v[COLI_F4_G];
-                coli_f4_group_portable(W + (o + r) * ldb, ldb, S[(o + r) * ng + g], g, K, v);
+                coli_f4_group_portable(W + o * ldb, ldb, S[o * ng + g], g, K, v);
                 for (h = 0; h < 2; h++) {
                     a[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + COLI_F4_G * g + 8 * h),
                                               _mm256_loadu_ps(v + 8 * h), a[r][h]);
@@ -395,9 +437,8 @@ COLI_T_AVX2 static void coli_f4_rows256(const float *xp, const uint8_t *W, const
                                               _mm256_loadu_ps(v + 16 + 8 * h), a[r][h]);
                 }
             }
-            y[o + r] = coli_dn_fold256(a[r][0], a[r][1]);
+            y[o] = coli_dn_fold256(a[r][0], a[r][1]);
         }
-        o += R;
     }
 }
 #endif

@@ -139,6 +139,28 @@ def test_kernels_have_dense_orders_bits_on_every_variant_thread_count_and_row_co
             assert np.array_equal(one.view(np.uint32), want.view(np.uint32)), (level, threads)
 
 
+def test_every_scale_byte_and_code_through_the_kernels(_restore):
+    """Every code under every scale byte, 2^-127 (subnormal values) to past float32's range (+-inf)
+    and NaN: the AVX2 kernels look values up as their two top bytes (fp4.h, coli_f4_group256),
+    the others as floats; all give dense.h's order over the decoded weights, NaN where it is NaN."""
+    from tests.test_dense_matmul import lanes_ref
+    K = 512
+    codes = np.tile(np.arange(256, dtype=np.uint8), (256, 1))       # row b: every pair of codes
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], K // 32, axis=1)     # under byte b
+    W = quant.dequantize_fp4(codes, scales, K)
+    x = np.random.default_rng(7).standard_normal((3, K)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = lanes_ref(positions(x, K), positions(W, K))
+    assert np.isnan(want[:, 255]).all() and np.isfinite(want[:, :240]).all()
+    for level in qm.simd_variants():
+        qm.set_simd(level)
+        for rows in (x[:1], x):                       # the one-row kernel, the panels
+            got = qm.fp4_matmul(rows, codes, scales, K)
+            ref = want[: len(rows)]
+            assert np.array_equal(np.isnan(got), np.isnan(ref)), level
+            assert np.array_equal(got.view(np.uint32)[~np.isnan(ref)], ref.view(np.uint32)[~np.isnan(ref)]), level
+
+
 def test_one_pass_over_many_matrices_has_the_bits_of_each_alone(_restore):
     rng = np.random.default_rng(5)
     K, x = 72, rng.standard_normal((9, 72)).astype(np.float32)
