@@ -111,7 +111,8 @@ if str(ROOT) not in sys.path:
 import core  # noqa: E402,F401  (first: core/__init__.py sets OpenBLAS's spin timeout before numpy loads)
 from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # noqa: E402
 from benchmarks.families import FP4_EXPERTS, GEOMETRIES, LABELS, default_dir, ensure, geometry  # noqa: E402
-from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry  # noqa: E402
+from benchmarks.streaming import (DEFAULT_DIR, ensure_container, expert_geometry, lookup_tables,  # noqa: E402
+                                 weight_bytes)
 from core.arch import KV_CACHES  # noqa: E402
 
 
@@ -475,37 +476,12 @@ def torch_available() -> str | None:
 
 
 # --- the model ------------------------------------------------------------------------------------
-def lookup_tables(path: Path) -> dict[str, tuple[int, int]]:
-    """Tables a token reads one row of, name -> (bytes, bytes of one row): the embedding (codes
-    and row scales) and integer index tables (a hash router's token -> experts)."""
-    from core.container import Container
-
-    c = Container(path)
-    try:
-        out = {}
-        for name, (_, info) in c.index.items():
-            base = name.removesuffix(".qs")
-            if "embed_tokens" in base or (info.dtype.startswith("I") and base not in c.quant):
-                total, row = out.get(base, (0, 0))
-                out[base] = (total + info.nbytes, row + info.nbytes // max(1, info.shape[0]))
-        return out
-    finally:
-        c.close()
-
-
 def describe_tables(tables: dict[str, tuple[int, int]]) -> str:
     """"embedding 0.53 GB + 3 index tables 0.019 GB"."""
     emb = sum(t for n, (t, _) in tables.items() if "embed_tokens" in n)
     other = [t for n, (t, _) in tables.items() if "embed_tokens" not in n]
     return f"embedding {emb / 1e9:.2f} GB" + (f" + {len(other)} index table{'s' * (len(other) > 1)} "
                                               f"{sum(other) / 1e9:.3f} GB" if other else "")
-
-
-def weight_bytes(geo: dict, tables: dict[str, tuple[int, int]]) -> int:
-    """Weight bytes a decoded token touches: top-k experts per MoE layer, every dense tensor but
-    the lookup tables (``lookup_tables``), of which one row each."""
-    return (geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"]
-            - sum(t for t, _ in tables.values()) + sum(r for _, r in tables.values()))
 
 
 def cache_read_bytes(spec, n: float, dtype: str, topk: int | None = None) -> dict[str, int]:

@@ -177,7 +177,7 @@ def our_container(directory: Path | None, layers: int, vocab: int, seed: int = 0
 
 def our_touched_bytes(path: Path) -> int:
     """As benchmarks/decode.py counts it: top-k experts per layer + dense tensors, one embedding row."""
-    from benchmarks.decode import expert_geometry, lookup_tables, weight_bytes
+    from benchmarks.streaming import expert_geometry, lookup_tables, weight_bytes
 
     return weight_bytes(expert_geometry(path), lookup_tables(path))
 

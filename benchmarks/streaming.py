@@ -104,6 +104,31 @@ def expert_geometry(path: Path) -> dict:
         c.close()
 
 
+def lookup_tables(path: Path) -> dict[str, tuple[int, int]]:
+    """Tables a token reads one row of, name -> (bytes, bytes of one row): the embedding (codes
+    and row scales) and integer index tables (a hash router's token -> experts)."""
+    from core.container import Container
+
+    c = Container(path)
+    try:
+        out = {}
+        for name, (_, info) in c.index.items():
+            base = name.removesuffix(".qs")
+            if "embed_tokens" in base or (info.dtype.startswith("I") and base not in c.quant):
+                total, row = out.get(base, (0, 0))
+                out[base] = (total + info.nbytes, row + info.nbytes // max(1, info.shape[0]))
+        return out
+    finally:
+        c.close()
+
+
+def weight_bytes(geo: dict, tables: dict[str, tuple[int, int]]) -> int:
+    """Weight bytes a decoded token touches: top-k experts per MoE layer, every dense tensor but
+    the lookup tables (``lookup_tables``), of which one row each."""
+    return (geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"]
+            - sum(t for t, _ in tables.values()) + sum(r for _, r in tables.values()))
+
+
 # --- one measured run (a child process) -------------------------------------------------------------
 def child(args) -> None:
     import numpy as np
@@ -266,7 +291,7 @@ def main(argv=None) -> int:
                             f"≈ {int(args.budget_frac * geo['experts_per_layer'])} per layer)")
               + f"; {args.tokens} tokens, prompt {args.prompt_len}, policy {args.policy}, "
                 f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}")
-        touched = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"]
+        touched = weight_bytes(geo, lookup_tables(path))
         ram = max(ram1, ram2)
         print(f"RAM-bound limit (every expert a hit): {ram * 1e9 / touched:.1f} tok/s "
               f"({touched / 1e9:.2f} GB touched per token at {ram:.1f} GB/s)")
