@@ -423,7 +423,7 @@ class ColiApp(App):
         self.slot_bytes = getattr(getattr(e, "store", None), "slot_bytes", None)
         plan = getattr(e, "plan", None)
         budget = getattr(plan, "ram_expert_bytes", None)
-        self.tier_panel.set_model(e.spec.num_layers, e.spec.num_experts, budget)
+        self.tier_panel.set_model(e.spec.num_layers, e.spec.num_experts, budget, getattr(e, "known_layers", ()))
         from .runner import snapshot
         placement, heat = snapshot(e)
         self.tier_panel.push(placement=placement, heat=heat, slot_bytes=self.slot_bytes)

@@ -8,7 +8,9 @@ experts; a tie goes to the faster tier) and lit by its summed heat. At the "fit"
 whole model fits the widget (GLM-5's 76 × 256 in the 120×40 tier panel: 3 layers × 7 experts a
 cell); each zoom-in halves both group sizes down to one layer × one expert, and the map scrolls
 (keys, mouse wheel, scrollbars). The cursor (arrow keys, or a click) names the cell's layers,
-experts, tiers and heat. Pure Python on plain dicts, no numpy."""
+experts, tiers and heat. Hash-routed layers (their experts follow from the token id, known before
+the pass: none is predicted) carry a ``#`` in the gutter and say so. Pure Python on plain dicts,
+no numpy."""
 from __future__ import annotations
 
 import math
@@ -33,6 +35,7 @@ TIER_LABEL = {"disk": "disk", "ram": "RAM", "pinned": "pinned", "vram": "VRAM"}
 FLASH_RGB = (255, 255, 255)
 EMPTY_RGB = (20, 20, 24)
 CURSOR_RGB = (255, 40, 40)        # the selected cell: a colour no tier uses
+HASH_MARK, HASH_RGB = "#", (120, 200, 230)   # a hash-routed layer's row (gutter): experts from the token
 MAX_STRETCH = 4                   # a small grid's cells grow to at most 4 columns / 4 half rows
 
 
@@ -77,8 +80,10 @@ class Grid:
     and whether an expert in it was routed for the current token."""
 
     def __init__(self, layers: int, experts: int, lz: int = 1, ez: int = 1,
-                 placement: dict | None = None, heat: dict | None = None, routed: dict | None = None):
+                 placement: dict | None = None, heat: dict | None = None, routed: dict | None = None,
+                 hashed: frozenset = frozenset()):
         self.n_layers, self.n_experts = layers, experts
+        self.hashed = hashed          # hash-routed layers
         self.lz, self.ez = max(1, lz), max(1, ez)
         self.rows = -(-layers // self.lz) if layers else 0
         self.cols = -(-experts // self.ez) if experts else 0
@@ -117,6 +122,11 @@ class Grid:
     def layer_range(self, r: int) -> tuple[int, int]:
         return r * self.lz, min(self.n_layers, (r + 1) * self.lz) - 1
 
+    def hashed_in(self, r: int) -> int:
+        """How many of row r's layers are hash-routed."""
+        l0, l1 = self.layer_range(r)
+        return sum(1 for l in range(l0, l1 + 1) if l in self.hashed)
+
     def expert_range(self, c: int) -> tuple[int, int]:
         return c * self.ez, min(self.n_experts, (c + 1) * self.ez) - 1
 
@@ -147,16 +157,23 @@ class Grid:
         n = self.routed_n[r][c]
         now = "" if not n else " · routed now" if size == 1 else f" · {n} routed now"
         tail = f" · heat {fmt_heat(self.heat_sum[r][c])}{now}"
+        h = self.hashed_in(r)
+        if h:            # their experts come from the token id: known, never predicted
+            where += " · hash-routed" if h == l1 - l0 + 1 else f" · {h} hash-routed"
         return f"{where}\n{tiers}{tail}"
 
 
-def legend() -> Text:
+def legend(hashed: bool = False) -> Text:
+    """The colours; ``hashed``: the model has hash-routed layers (the gutter's mark)."""
     t = Text()
     for name, label in (("disk", "disk"), ("ram", "RAM"), ("pinned", "pinned")):
         t.append("■", style=Style(color=Color.from_rgb(*TIER_RGB[name])))
         t.append(f" {label}  ")
     t.append("■", style=Style(color=Color.from_rgb(*FLASH_RGB)))
     t.append(" routed now\n")
+    if hashed:
+        t.append(HASH_MARK, style=Style(color=Color.from_rgb(*HASH_RGB)))
+        t.append(" hash-routed layer: experts from the token\n")
     t.append("rows layers · cols experts · bright=hot", style="dim")
     return t
 
@@ -194,6 +211,7 @@ class BrainMap(ScrollView, can_focus=True):
     def __init__(self, layers: int = 0, experts: int = 0, **kw):
         super().__init__(**kw)
         self.n_layers, self.n_experts = layers, experts
+        self.hashed: frozenset = frozenset()
         self.placement: dict = {}
         self.heat_map: dict = {}
         self.routed: dict = {}
@@ -204,8 +222,9 @@ class BrainMap(ScrollView, can_focus=True):
         self._grid_key = None
 
     # --- data ----------------------------------------------------------------------------------
-    def set_shape(self, layers: int, experts: int) -> None:
-        self.n_layers, self.n_experts = layers, experts
+    def set_shape(self, layers: int, experts: int, hashed=()) -> None:
+        """``hashed``: the hash-routed layers (the engine's known_layers)."""
+        self.n_layers, self.n_experts, self.hashed = layers, experts, frozenset(hashed)
         self.zoom, self.cursor, self.selected = 0, (0, 0), False
         self._changed()
 
@@ -241,7 +260,8 @@ class BrainMap(ScrollView, can_focus=True):
         lz, ez = self.cell_factor()
         key = (lz, ez, self.n_layers, self.n_experts)
         if self._grid is None or self._grid_key != key:
-            self._grid = Grid(self.n_layers, self.n_experts, lz, ez, self.placement, self.heat_map, self.routed)
+            self._grid = Grid(self.n_layers, self.n_experts, lz, ez, self.placement, self.heat_map, self.routed,
+                              self.hashed)
             self._grid_key = key
         return self._grid
 
@@ -402,8 +422,11 @@ class BrainMap(ScrollView, can_focus=True):
         gw = self.gutter_width()
         cr, cc = self.cursor if self.selected else (-1, -1)
         label = str(g.layer_range(top)[0]) if (2 * vy) % ry == 0 else ""
-        mark = "▸" if cr in (top, bot) else " "
-        segs = [Segment(label.rjust(gw - 1)[: gw - 1], Style(dim=True)), Segment(mark, Style(color="rgb(255,40,40)"))]
+        if cr not in (top, bot) and (g.hashed_in(top) or (bot < g.rows and g.hashed_in(bot))):
+            mark = Segment(HASH_MARK, Style(color=Color.from_rgb(*HASH_RGB)))
+        else:
+            mark = Segment("▸" if cr in (top, bot) else " ", Style(color="rgb(255,40,40)"))
+        segs = [Segment(label.rjust(gw - 1)[: gw - 1], Style(dim=True)), mark]
         body = max(0, w - gw)
         for x in range(sx, sx + body):
             c = x // cw

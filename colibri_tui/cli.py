@@ -469,6 +469,8 @@ def cmd_plan(args) -> int:
                      kv_cache=args.kv_cache, context=args.context)
     d = plan.as_dict()
     d["page_cache_tier"] = plan.page_cache_tier
+    from core.cache_kinds import by_kind, describe
+    d["cache_kinds"] = by_kind(spec.cache_kinds, args.kv_cache)
     if args.json:
         print(json.dumps(d))
         return 0
@@ -486,10 +488,15 @@ def cmd_plan(args) -> int:
     print(f"KV cache         {gb(plan.kv_bytes_per_position * 1024)} per 1024 positions"
           + (f" ({gb(plan.kv_reserved_bytes)} kept free for {plan.kv_positions} positions; "
              f"it grows with the context, the pool giving back slots)" if plan.mode == "auto" else ""))
-    from core.cache_kinds import describe
     print(f"per position     {plan.kv_bytes_per_position:,} bytes: {describe(spec.cache_kinds, args.kv_cache)}")
-    if plan.fixed_state_bytes:        # recurrent / conv state: its size whatever the context
-        print(f"fixed state      {gb(plan.fixed_state_bytes)} (recurrent + conv state, whatever the context)")
+    if plan.fixed_state_bytes:        # rings, recurrent / conv state, open blocks: whatever the context
+        print(f"fixed state      {gb(plan.fixed_state_bytes)} ({plan.fixed_state_bytes:,} bytes whatever the context)")
+    kinds = d["cache_kinds"]
+    if len(kinds) > 1:                # each kind apart (per layer it is on)
+        for n, k in enumerate(kinds):
+            layers = f"{k['layers']} layer{'s' if k['layers'] != 1 else ''}"
+            print(f"{'by kind' if n == 0 else '':17}{k['kind']} on {layers}: "
+                  f"{k['bytes_per_position']:,} bytes per position + {k['fixed_bytes']:,} fixed each")
     print(f"per token        {gb(plan.active_expert_bytes_per_token)} of routed experts")
     print(f"projected hits   {plan.projected_hit_rate:.1%}")
     if plan.cap < plan.num_experts:

@@ -94,8 +94,11 @@ class TierPanel(Vertical):
         # the words under the map: the selected cell, or how many experts a cell holds
         self.query_one("#brain-info", Static).update(Text(event.brain_map.info()), layout=False)   # fixed size
 
-    def set_model(self, layers: int, experts: int, ram_budget: int | None = None) -> None:
-        self.brain.set_shape(layers, experts)
+    def set_model(self, layers: int, experts: int, ram_budget: int | None = None, hashed=()) -> None:
+        """``hashed``: the hash-routed layers (marked on the map, named in the legend)."""
+        if bool(hashed) != bool(self.brain.hashed):       # the legend names the mark while it shows
+            self.query_one("#brain-legend", Static).update(legend(bool(hashed)))
+        self.brain.set_shape(layers, experts, hashed)
         self.query_one("#brain-title", Label).update(f"Brain map · {layers} layers × {experts} experts")
         self.ram_budget = ram_budget
         self.refresh_stats()

@@ -57,6 +57,9 @@ class ArchSpec:
     # the ends (core.blocks.embed's Embedding / LMHead, or a family's own); None: from the fields above
     embedding: object = None
     head: object = None
+    # the family's chat template (Jinja) for a release that ships none (DeepSeek V4 ships a Python
+    # encoder, which colibrì never runs): the converter writes it beside the tokenizer
+    chat_template: str | None = None
 
     @property
     def prefix(self) -> str:

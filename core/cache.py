@@ -72,9 +72,15 @@ class KVCache:
 
     @property
     def savable(self) -> bool:
-        """Every kind keeps named arrays (what core.sessions writes); a kind keeping an object of
-        its own (a compressor's state) is not saved."""
-        return all(_keeps_arrays(k) for kinds in self.kinds for k in kinds)
+        """Every kind keeps named arrays, or (a kind keeping an object of its own: a compressor's
+        state) says how to write it as arrays (``to_arrays``, core.sessions): what core.sessions
+        writes."""
+        return all(_keeps_arrays(k) or hasattr(k, "to_arrays") for kinds in self.kinds for k in kinds)
+
+    def objects(self) -> list[list]:
+        """Per layer, (kind, what it keeps) of the kinds keeping an object (core.sessions)."""
+        return [[(k, kept[k.name]) for k in kinds if not _keeps_arrays(k)]
+                for kinds, kept in zip(self.kinds, self.layers)]
 
     @property
     def truncatable(self) -> bool:

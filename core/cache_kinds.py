@@ -268,6 +268,20 @@ def fixed_bytes(kinds, dtype: str = "float32") -> int:
     return sum(k.fixed_bytes(dtype) for e in kinds for k in layer_kinds(e))
 
 
+def by_kind(kinds, dtype: str = "float32") -> list[dict]:
+    """Each distinct kind once, in layer order: what it keeps, on how many layers, its bytes per
+    position and its fixed bytes on one layer -- coli plan's lines (a ring, compressed entries
+    and indexer keys of one layer said apart)."""
+    rows: dict = {}
+    for entry in kinds:
+        for k in layer_kinds(entry):
+            row = rows.setdefault(k, {"kind": getattr(k, "describe", lambda k=k: k.name)(), "layers": 0,
+                                      "bytes_per_position": k.bytes_per_position(dtype),
+                                      "fixed_bytes": k.fixed_bytes(dtype)})
+            row["layers"] += 1
+    return list(rows.values())
+
+
 def describe(kinds, dtype: str = "float32") -> str:
     """What the layers keep per position, e.g. "latent (512 + 64 rope) + index keys (128) on 76
     layers, latent (512 + 64 rope) on 2 layers: 2,344 bytes each" -- for coli plan. Layers that

@@ -560,12 +560,19 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None, group_siz
     extra = {DROPPED_KEY: dropped_entry} if dropped_entry else {}
     extra.update(expert_entries(layout))
 
+    template = getattr(spec, "chat_template", None)
+
     def copy_side_files(out: Path) -> None:
         for fname in COPIED_FILES:
             if (src / fname).exists():
                 tmp = out / (fname + ".tmp")
                 shutil.copyfile(src / fname, tmp)
                 os.replace(tmp, out / fname)
+        if template is not None:          # the family's, where the release has a tokenizer but no template
+            from .tokenizer import load_tokenizer
+            tok = load_tokenizer(src)
+            if tok is not None and not tok.has_chat_template:
+                atomic_write_text(out / "chat_template.jinja", template)
 
     try:
         return write_container(

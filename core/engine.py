@@ -111,6 +111,12 @@ class Engine:
         if spare is None or self._spare_capacity <= cache.capacity():
             self._kv_spare, self._spare_capacity = cache.buffers(), cache.capacity()
 
+    @property
+    def known_layers(self) -> list[int]:
+        """The layers whose experts follow from the token ids (hash routing), not from a router
+        the lookahead predicts: plain ints, for the Brain map."""
+        return [i for i, _ in self._known]
+
     def placement(self) -> dict[int, dict[int, str]]:
         """layer -> {expert: tier} for every expert not on disk only (the live Brain map)."""
         resident = getattr(self.store, "resident", None)

@@ -11,7 +11,8 @@ beside it, fsync, ``os.replace``), in a versioned format:
     sha256 of the header             32 bytes
     payload                          each layer's arrays in order, each [lead, length, width] in
                                      the cache's dtype, C order; then the prompt's last logits
-                                     (float32 [vocab]) when the header says so
+                                     (float32 [vocab]) when the header says so; then the state
+                                     and the objects (below)
 
 The header binds the cache to what computed it: ``model`` (a hash of the container's manifest
 ``colibri.json``, which holds every shard's sha256, and its ``config.json``), ``kv_cache`` (the
@@ -30,6 +31,16 @@ linear-attention layer's conv and recurrent arrays, ``KVCache.state``, float32) 
 the rows (``state`` in the header names each array's shape), and the state's checkpoint at the
 prompt's end when the turn took one (``checkpoint``: core.prefix_cache), so that a restored
 chat is continued where the same session would continue it.
+
+A kind that keeps an object of its own (DeepSeek V4's compressors: entries, the open block, the
+overlap) writes it as named arrays (``kind.to_arrays(kept, length)``, shapes and dtypes as
+``kind.saved_arrays(length)`` declares them; read back with ``kind.from_arrays``) after the state:
+``objects`` in the header lists per layer [kind name, kind.version, [[array, shape, dtype], ...]]
+(None when no kind keeps an object), and its checkpoint (a dict of arrays whose shapes do not
+depend on the length) follows when ``checkpoint`` is set, ``object_checkpoint`` naming them the
+same way. Loading compares both with what the model's kinds declare: another kind version is
+another layout, computed again. Format 2 (this one) added them; format 1 files (no objects) are
+read as before.
 """
 from __future__ import annotations
 
@@ -47,7 +58,8 @@ import numpy as np
 from .prefix_cache import cache_parts, common_prefix
 
 MAGIC = b"COLIKVC\n"
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)                   # format 1: no objects (it reads as format 2 without them)
 SUFFIX = ".kvc"
 MAX_HEADER = 64 << 20            # ids of a very long chat fit many times over; more is garbage
 DEFAULT_BUDGET_BYTES = 2 * 10 ** 9
@@ -99,6 +111,31 @@ def _state_layout(cache) -> list[list] | None:
 
 def _state_bytes(layout) -> int:
     return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for layer in layout or () for _, shape, dt in layer)
+
+
+def _objects(cache) -> list[list]:
+    return cache.objects() if hasattr(cache, "objects") else []
+
+
+def _object_layout(cache, n: int) -> list[list] | None:
+    """Per layer [kind name, version, [[array, shape, dtype], ...]] of the kinds keeping an object,
+    as they declare their arrays at n positions; None when no kind does."""
+    objects = _objects(cache)
+    if not any(objects):
+        return None
+    return [[[k.name, k.version, [[a, [int(d) for d in shape], dt] for a, (shape, dt) in k.saved_arrays(n).items()]]
+             for k, _ in layer] for layer in objects]
+
+
+def _object_checkpoint_layout(cache, checkpoint) -> list[list]:
+    """Per layer [kind name, [[array, shape, dtype], ...]] of the objects' part of ``checkpoint``
+    (per layer {kind name: {array: ndarray}}, KVCache.checkpoint)."""
+    return [[[k.name, [[a, [int(d) for d in x.shape], np.dtype(x.dtype).name] for a, x in ck[k.name].items()]]
+             for k, _ in layer] for layer, ck in zip(_objects(cache), checkpoint)]
+
+
+def _object_bytes(layout) -> int:
+    return sum(_state_bytes([arrays]) for layer in layout or () for *_, arrays in layer)
 
 
 class Corrupt(Exception):
@@ -176,7 +213,7 @@ class SessionStore:
             target.unlink(missing_ok=True)
             return None
         parts = cache_parts(cache)
-        state_layout = _state_layout(cache)
+        state_layout, objects = _state_layout(cache), _object_layout(cache, n)
         folded = getattr(cache, "folded", None)
         if state_layout is not None and folded is not None and \
                 any(f != n for f, layer in zip(folded, cache.state) if layer):
@@ -187,8 +224,11 @@ class SessionStore:
         if entry.logits is not None and entry.prompt_len <= n:
             logits = np.ascontiguousarray(entry.logits, dtype=np.float32)
             payload += logits.nbytes
-        checkpoint = entry.checkpoint if state_layout is not None and logits is not None else None
+        fixed = state_layout is not None or objects is not None
+        checkpoint = entry.checkpoint if fixed and logits is not None else None
+        object_checkpoint = _object_checkpoint_layout(cache, checkpoint) if objects and checkpoint else None
         payload += _state_bytes(state_layout) * (2 if checkpoint is not None else 1)
+        payload += _object_bytes(objects) + _object_bytes(object_checkpoint)
         if payload > self.budget_bytes:
             target.unlink(missing_ok=True)      # the old one is stale: the chat moved on
             return None
@@ -200,10 +240,14 @@ class SessionStore:
                     chunks.append(np.ascontiguousarray(a[h, :n]))
         if logits is not None:
             chunks.append(logits)
-        for layers in ([cache.state] if state_layout is not None else []) + \
-                ([checkpoint] if checkpoint is not None else []):
-            for layer in layers:
-                chunks.extend(np.ascontiguousarray(a) for a in layer.values())
+        for layers in ([cache.state] + ([checkpoint] if checkpoint is not None else [])
+                       if state_layout is not None else []):
+            for names, layer in zip(cache.state, layers):
+                chunks.extend(np.ascontiguousarray(layer[name]) for name in names)
+        for layer in _objects(cache) if objects is not None else ():
+            chunks.extend(np.ascontiguousarray(a) for k, kept in layer for a in k.to_arrays(kept, n).values())
+        for layer, ck in zip(_objects(cache), checkpoint) if object_checkpoint is not None else ():
+            chunks.extend(np.ascontiguousarray(a) for k, _ in layer for a in ck[k.name].values())
         for c in chunks:
             digest.update(_bytes(c))
         header = {"format": FORMAT, "model": engine_model_key(engine), "kv_cache": np.dtype(cache.dtype).name,
@@ -211,6 +255,7 @@ class SessionStore:
                   "prompt_len": int(entry.prompt_len) if logits is not None else 0,
                   "logits": None if logits is None else int(logits.size), "layers": _layout(cache),
                   "state": state_layout, "checkpoint": checkpoint is not None,
+                  "objects": objects, "object_checkpoint": object_checkpoint,
                   "payload_bytes": payload, "sha256": digest.hexdigest(), "saved": time.time()}
         raw = json.dumps(header, separators=(",", ":")).encode()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -236,8 +281,8 @@ class SessionStore:
         if len(head) < len(MAGIC) + 12 or head[: len(MAGIC)] != MAGIC:
             raise Corrupt("not a colibrì cache file")
         version, size = struct.unpack("<IQ", head[len(MAGIC):])
-        if version != FORMAT:
-            raise Corrupt(f"format version {version}; this colibrì reads version {FORMAT}")
+        if version not in READS:
+            raise Corrupt(f"format version {version}; this colibrì reads versions {', '.join(map(str, READS))}")
         if size > MAX_HEADER:
             raise Corrupt("damaged header")
         raw = f.read(size)
@@ -325,13 +370,22 @@ class SessionStore:
             vocab = h.get("logits")
             if vocab is not None and vocab != engine.spec.vocab_size:
                 raise Corrupt("damaged header")
-            state_layout = _state_layout(cache)
-            if h.get("state") != state_layout or (h.get("checkpoint") and (state_layout is None or vocab is None)):
+            state_layout, objects = _state_layout(cache), _object_layout(cache, n)
+            fixed = state_layout is not None or objects is not None
+            if h.get("state") != state_layout or h.get("objects") != objects or \
+                    (h.get("checkpoint") and (not fixed or vocab is None)):
+                raise Corrupt("its layers do not match the model's")
+            object_checkpoint = None          # what the model's kinds' checkpoints are
+            if objects is not None and h.get("checkpoint"):
+                object_checkpoint = _object_checkpoint_layout(
+                    cache, [{k.name: k.checkpoint(kept) for k, kept in layer} for layer in _objects(cache)])
+            if h.get("object_checkpoint") != object_checkpoint:
                 raise Corrupt("its layers do not match the model's")
             itemsize = engine.kv_dtype.itemsize
             expect = sum(lead * n * width * itemsize for layer in h["layers"] for _, lead, width in layer)
             expect += 4 * vocab if vocab is not None else 0
             expect += _state_bytes(state_layout) * (2 if h.get("checkpoint") else 1)
+            expect += _object_bytes(objects) + _object_bytes(object_checkpoint)
             if h.get("payload_bytes") != expect:
                 raise Corrupt("damaged header")
             if n > engine.spec.max_position_embeddings > 0:
@@ -354,24 +408,38 @@ class SessionStore:
                 if f.readinto(view) != len(view):
                     raise Corrupt("truncated")
                 digest.update(view)
-            checkpoint = None
+            checkpoint = [{} for _ in cache_parts(cache)] if h.get("checkpoint") else None
+            targets = []
             if state_layout is not None:
                 targets = [list(layer.values()) for layer in cache.state]
-                if h.get("checkpoint"):
-                    checkpoint = [{name: np.empty_like(a) for name, a in layer.items()} for layer in cache.state]
-                    targets += [list(layer.values()) for layer in checkpoint]
-                for layer in targets:
-                    for a in layer:
-                        view = _bytes(a)
-                        if f.readinto(view) != len(view):
-                            raise Corrupt("truncated")
-                        digest.update(view)
-                if hasattr(cache, "folded"):
-                    cache.folded = [n] * len(cache.folded)
+                if checkpoint is not None:
+                    for ck, layer in zip(checkpoint, cache.state):
+                        ck.update({name: np.empty_like(a) for name, a in layer.items()})
+                    targets += [[ck[name] for name in layer] for ck, layer in zip(checkpoint, cache.state)]
+            # the objects' arrays, then their checkpoints: read here, handed to the kinds once
+            # the checksum holds
+            live = [[{a: np.empty(shape, dt) for a, shape, dt in arrays} for _, _, arrays in layer]
+                    for layer in objects or ()]
+            targets += [list(arrays.values()) for layer in live for arrays in layer]
+            for layer, ck in zip(object_checkpoint or (), checkpoint or ()):
+                for name, arrays in layer:
+                    ck[name] = {a: np.empty(shape, dt) for a, shape, dt in arrays}
+                    targets.append(list(ck[name].values()))
+            for layer in targets:
+                for a in layer:
+                    view = _bytes(a)
+                    if f.readinto(view) != len(view):
+                        raise Corrupt("truncated")
+                    digest.update(view)
             if f.read(1):
                 raise Corrupt("trailing bytes")
             if digest.hexdigest() != h.get("sha256"):
                 raise Corrupt("checksum mismatch")
+            for layer, arrays in zip(_objects(cache), live):
+                for (kind, kept), a in zip(layer, arrays):
+                    kind.from_arrays(kept, a, n)
+            if fixed and hasattr(cache, "folded"):
+                cache.folded = [n] * len(cache.folded)
             cache.length = n
             ok = True
             return cache, logits, checkpoint

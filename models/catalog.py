@@ -11,6 +11,7 @@ Numpy-free at import, as the UI needs: ``load`` and ``fit`` read the stored numb
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import tomllib
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ RAM_GBPS = 25.0
 KV_CONTEXT = 4096                # as core.planner.KV_CONTEXT: the positions the planner reserves
 KV_DTYPE = "float32"             # the engine's default KV cache (core.arch.KV_CACHES[0])
 FP8_BLOCK = 128                  # the Hub's block-FP8 checkpoints: one f32 scale_inv per 128 x 128
+FP4_BLOCK = 32                   # FP4 (E2M1) experts: half a byte a value + one UE8M0 byte per 32
 # source bytes per parameter by the config's dtype (torch_dtype / dtype)
 SOURCE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -97,13 +99,15 @@ def _legacy_dense_gb(arch: dict) -> float:
 
 
 # --- the estimate: the family's own layout -----------------------------------------------------
-def tensor_bytes(name: str, shape: tuple[int, ...], layout, bits: int = 4, group_size: int = GROUP) -> int:
+def tensor_bytes(name: str, shape: tuple[int, ...], layout, bits: int = 4, group_size: int = GROUP,
+                 float32: bool = False) -> int:
     """Bytes `coli convert --bits` writes for one float source tensor (its class in the family's
     ``layout``, core.converter._Out.entries' shapes): int4 [O, ceil(I/2)] U8 + [O, ceil(I/gs)] F32,
-    int8 [O, I] U8 + [O] F32, f32 4 bytes a value."""
+    int8 [O, I] U8 + [O] F32, f32 4 bytes a value. ``float32``: a tensor the blocks read as
+    numbers (core.blocks.common.Need.float32), which the converter keeps F32 at any --bits but 16."""
     from core import quant
     n = math.prod(shape)
-    scheme = quant.scheme_at(layout.tensor_class(name, len(shape)), bits)
+    scheme = quant.F32 if float32 and bits != 16 else quant.scheme_at(layout.tensor_class(name, len(shape)), bits)
     if scheme == "int4":
         rows, cols = shape
         return rows * ((cols + 1) // 2) + 4 * rows * -(-cols // group_size)
@@ -112,55 +116,100 @@ def tensor_bytes(name: str, shape: tuple[int, ...], layout, bits: int = 4, group
     return 4 * n
 
 
-def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout) -> int:
+def fp4_bytes(shape: tuple[int, ...]) -> int:
+    """An FP4 expert matrix [O, I] as the release ships it and the container keeps it: E2M1 values
+    two a byte + one UE8M0 scale byte per FP4_BLOCK columns."""
+    rows, cols = shape
+    return rows * ((cols + 1) // 2) + rows * -(-cols // FP4_BLOCK)
+
+
+def _native_fp4(name: str, config: dict) -> bool:
+    """A routed expert's matrix of a release whose experts are FP4 (``expert_dtype``): kept as
+    shipped, in the container as in the download."""
+    return config.get("expert_dtype") == "fp4" and re.search(r"\.experts\.\d+\.", name) is not None
+
+
+def _source_bytes(name: str, shape: tuple[int, ...], config: dict, layout, float32: bool = False) -> int:
     """Bytes of one tensor in the checkpoint the Hub ships: the config's dtype, or block FP8 (1 byte
-    a value + an f32 scale_inv per 128 x 128 block) for the decoder layers' projections when the
-    config says ``quantization_config.quant_method = "fp8"`` (embeddings, lm_head, norms and the
-    router stay BF16, e_score_correction_bias F32, as the block-FP8 releases ship them)."""
+    a value + an f32 scale_inv per 128 x 128 block; a UE8M0 byte with ``scale_fmt = "ue8m0"``) for
+    the decoder layers' projections (and a top-level MTP module's: ``mtp.*``) when the config says
+    ``quantization_config.quant_method = "fp8"`` (embeddings, lm_head, norms, the router and the
+    matrices the blocks read as numbers -- ``float32``, Need.float32: a compressor's projections --
+    stay BF16, e_score_correction_bias F32, as the block-FP8 releases ship them); FP4 experts as
+    ``fp4_bytes``."""
     n = math.prod(shape)
+    if _native_fp4(name, config):
+        return fp4_bytes(shape)
     if name.endswith("e_score_correction_bias"):
         return 4 * n
-    q = config.get("quantization_config") or {}
-    if (q.get("quant_method") == "fp8" and len(shape) == 2 and name.startswith(layout.prefix + "layers.")
-            and layout.tensor_class(name, 2) != "f32"         # the router
-            and not any(m and name.startswith(m) for m in q.get("modules_to_not_convert") or ())):
+    if _block_fp8(name, shape, config, layout, float32):
+        q = config["quantization_config"]
         block = (q.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK])
-        return n + 4 * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
+        scale = 1 if q.get("scale_fmt") == "ue8m0" else 4
+        return n + scale * -(-shape[0] // block[0]) * -(-shape[1] // block[1])
     dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return SOURCE_BYTES.get(dtype, 2) * n
 
 
-def estimate(config: dict, family: str | None = None, bits: int = 4) -> dict:
+def _block_fp8(name: str, shape: tuple[int, ...], config: dict, layout, float32: bool = False) -> bool:
+    """A tensor the release ships as block FP8 (see _source_bytes)."""
+    q = config.get("quantization_config") or {}
+    decoder = name.startswith(layout.prefix + "layers.") or layout.mtp_group(name, None) is not None   # or MTP
+    return (q.get("quant_method") == "fp8" and len(shape) == 2 and decoder
+            and layout.tensor_class(name, 2) != "f32" and not float32         # the router
+            and not any(m and name.startswith(m) for m in q.get("modules_to_not_convert") or ()))
+
+
+def default_bits(config: dict) -> int:
+    """coli convert's --bits when none is given (core.converter.default_bits): 16 for a release
+    whose experts ship in FP4 (kept as they are, the rest as shipped, FP8 widened to F32), else 4."""
+    return 16 if config.get("expert_dtype") == "fp4" else 4
+
+
+def estimate(config: dict, family: str | None = None, bits: int | None = None) -> dict:
     """An entry's sizes from its published config.json, through the family's own layout (every
     tensor core.layout.expected_tensors lists, at the class its layout gives it: latent
     attention, indexers, shared experts, dense-first layers...), its MTP layers (the family's
-    ``mtp_tensors``) and its cache kinds. ``family``: the key (models.registry.FAMILIES) of the
-    family that reads the config, when it is not the config's own type. Imports numpy (the
-    families do): the UI reads the numbers the catalog stores, which a test checks against this."""
+    ``mtp_tensors``) and its cache kinds; FP4 routed experts (``expert_dtype``) count as shipped.
+    ``family``: the key (models.registry.FAMILIES) of the family that reads the config, when it
+    is not the config's own type. Imports numpy (the families do): the UI reads the numbers the
+    catalog stores, which a test checks against this."""
     from core import cache_kinds
+    from core.blocks.common import Need
     from core.layout import expected_tensors
     from models.registry import FAMILIES, family_for
     fam = FAMILIES[family] if family else family_for(config)
     spec = fam.spec(config)
     layout = spec.layout
+    bits = default_bits(config) if bits is None else bits
     total = experts = params = expert_params = source = 0
     per_layer: dict[int, int] = {}            # one MoE layer's routed-expert bytes, by layer
+    def stored(t) -> int:         # what the converter writes for one tensor (Need)
+        if bits == 16 and _native_fp4(t.name, config):         # --bits 4 / 8 requantize them too
+            return fp4_bytes(t.shape)
+        if bits == 16 and config.get("quantization_config"):     # as shipped, block FP8 widened to F32
+            fp8 = _block_fp8(t.name, t.shape, config, layout, t.float32)
+            return 4 * math.prod(t.shape) if fp8 else _source_bytes(t.name, t.shape, config, layout, t.float32)
+        return tensor_bytes(t.name, t.shape, layout, bits, float32=t.float32)
+
     for t in expected_tensors(spec):
         if not t.synthetic:                   # optional biases the config does not have
             continue
-        b, n = tensor_bytes(t.name, t.shape, layout, bits), math.prod(t.shape)
+        b, n = stored(t), math.prod(t.shape)
         total, params = total + b, params + n
-        source += _source_bytes(t.name, t.shape, config, layout)
+        source += _source_bytes(t.name, t.shape, config, layout, t.float32)
         place = layout.experts.place(t.name)
         if place is not None:
             experts, expert_params = experts + b, expert_params + n
             per_layer[place[0]] = per_layer.get(place[0], 0) + b
     E, K = spec.num_experts, spec.top_k
     active_experts = sum(per_layer.values()) * K / E if E else 0.0     # top_k x MoE layers x one expert
-    # the MTP layers the checkpoint carries (the family lists them; converted aside)
-    mtp = fam.mtp_tensors(spec, config) if hasattr(fam, "mtp_tensors") else []
-    mtp_bytes = sum(tensor_bytes(n, s, layout, bits) for n, s in mtp)
-    source += sum(_source_bytes(n, s, config, layout) for n, s in mtp)
+    # the MTP layers the checkpoint carries (the family lists them, as (name, shape) or Need;
+    # converted aside)
+    mtp = [m if isinstance(m, Need) else Need(*m)
+           for m in (fam.mtp_tensors(spec, config) if hasattr(fam, "mtp_tensors") else [])]
+    mtp_bytes = sum(stored(m) for m in mtp)
+    source += sum(_source_bytes(m.name, m.shape, config, layout, m.float32) for m in mtp)
     dense = total - experts
     kv = cache_kinds.bytes_per_position(spec.cache_kinds, KV_DTYPE)
     positions = min(spec.max_position_embeddings or KV_CONTEXT, KV_CONTEXT)

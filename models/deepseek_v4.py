@@ -12,14 +12,16 @@ Here live the family-only pieces: the config reader, the compressors, the indexe
 router and the composition. float32 numpy throughout (no compiled path yet)."""
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
 
 from core import kernels
 from core.arch import ArchSpec, ConfigReader, common_spec
-from core.blocks.common import Need, norm_weight
+from core.blocks.common import Need, load_needs
 from core.blocks.mhc import MHC, StreamEmbedding, StreamHead
 from core.blocks.mlp import MoE, SwiGLU
 from core.blocks.routers import ScoreRouter, _router_weight, chosen_weights, route_scores
@@ -58,7 +60,31 @@ RENAMES: tuple[tuple[str, str], ...] = (
     (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
     (r"^layers\.(\d+)\.attn\.kv_norm\.", r"model.layers.\1.attn.norm."),
     (r"^layers\.", "model.layers."),
-)
+) + tuple(
+    # transformers' in-memory names (a state dict saved as it is, as save_pretrained without its
+    # reverse mapping writes it) -> the same saved names; the experts' fused gate_up_proj / down_proj
+    # are then split into w1 / w3 / w2 by the layout's fused rule. Applied in order: the
+    # compressors' prefixes first, then their parts.
+    (rf"^(model\.layers\.\d+)\.{old}", rf"\1.{new}") for old, new in (
+        (r"(attn|ffn)_hc\.(fn|base|scale)$", r"hc_\2_\3"),
+        (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
+        (r"mlp\.gate\.e_score_correction_bias$", "ffn.gate.bias"),
+        (r"mlp\.shared_experts\.gate_proj\.", "ffn.shared_experts.w1."),
+        (r"mlp\.shared_experts\.up_proj\.", "ffn.shared_experts.w3."),
+        (r"mlp\.shared_experts\.down_proj\.", "ffn.shared_experts.w2."), (r"mlp\.", "ffn."),
+        (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
+        (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+        (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+        (r"self_attn\.compressor\.", "attn.compressor."),
+        (r"(attn\.(?:indexer\.)?compressor)\.gate_proj\.", r"\2.wgate."),
+        (r"(attn\.(?:indexer\.)?compressor)\.kv_proj\.", r"\2.wkv."),
+        (r"(attn\.(?:indexer\.)?compressor)\.kv_norm\.", r"\2.norm."),
+        (r"(attn\.(?:indexer\.)?compressor)\.position_bias$", r"\2.ape"),
+        (r"self_attn\.q_a_proj\.", "attn.wq_a."), (r"self_attn\.q_b_proj\.", "attn.wq_b."),
+        (r"self_attn\.kv_proj\.", "attn.wkv."), (r"self_attn\.o_a_proj\.", "attn.wo_a."),
+        (r"self_attn\.o_b_proj\.", "attn.wo_b."), (r"self_attn\.q_a_norm\.", "attn.q_norm."),
+        (r"self_attn\.kv_norm\.", "attn.norm."), (r"self_attn\.sinks$", "attn.attn_sink"))
+) + ((r"^lm_head\.weight$", "head.weight"),)
 LAYOUT = Layout(head="head.weight", experts=ExpertPattern(parts=W123), renames=RENAMES)
 
 
@@ -141,6 +167,9 @@ def rope_tables(r: ConfigReader, rope_dim: int, head_dim: int) -> dict[str, Rope
 
 
 # --- the compressors' cache kind (to join core/cache_kinds.py when a second family needs it) ----
+OPEN = ("kv", "gate", "prior_kv", "prior_gate")     # a compressor's state besides its entries
+
+
 @dataclass(frozen=True)
 class Compressed:
     """A compressor's state, kept as an object of its own (core.cache: ``cache[i][name]``): its
@@ -148,8 +177,8 @@ class Compressed:
     of the block not complete yet and, with ``overlap`` (CSA), the last complete block's first
     half (the next entry's window starts there). How many entries and open rows count follows from
     the cache's length. Positions folded into entries cannot be dropped (not truncatable); a
-    checkpoint copies the open rows and the overlap (entries never change once written); saved
-    sessions skip it (core.cache: not savable)."""
+    checkpoint copies the open rows and the overlap (entries never change once written). Saved
+    sessions (core.sessions) write ``to_arrays`` and read them back with ``from_arrays``."""
     ratio: int
     dim: int
     overlap: bool
@@ -172,11 +201,33 @@ class Compressed:
         old = recycled.get(self.name)
         return CompressedState(self, old._rows if isinstance(old, CompressedState) else None)
 
-    def checkpoint(self, st: "CompressedState") -> tuple:
-        return st.kv.copy(), st.gate.copy(), st.prior_kv.copy(), st.prior_gate.copy()
+    def checkpoint(self, st: "CompressedState") -> dict:
+        return {name: getattr(st, name).copy() for name in OPEN}
 
-    def restore(self, st: "CompressedState", saved: tuple) -> None:
-        st.kv, st.gate, st.prior_kv, st.prior_gate = (a.copy() for a in saved)
+    def restore(self, st: "CompressedState", saved: dict) -> None:
+        for name in OPEN:
+            setattr(st, name, saved[name].copy())
+
+    # saved sessions: the entries so far and the open block, float32; ``version`` names this
+    # layout in the file (a change of it makes older files computed again, never misread)
+    version = 1
+
+    def saved_arrays(self, length: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, dtype) of what ``to_arrays`` gives at ``length`` positions."""
+        m, d = self.ratio, self.dim
+        w, o = d * (2 if self.overlap else 1), m if self.overlap else 0
+        shapes = {"entries": (length // m, d), "kv": (m, w), "gate": (m, w), "prior_kv": (o, d), "prior_gate": (o, d)}
+        return {name: (shape, "float32") for name, shape in shapes.items()}
+
+    def to_arrays(self, st: "CompressedState", length: int) -> dict:
+        return {"entries": st.entries(length), **{name: getattr(st, name) for name in OPEN}}
+
+    def from_arrays(self, st: "CompressedState", arrays: dict, length: int) -> None:
+        """Continue from saved arrays (shapes as saved_arrays(length) says: the caller checked)."""
+        st._rows = arrays["entries"]          # later entries grow it by doubling
+        for name in OPEN:
+            setattr(st, name, arrays[name])
+
 
 
 class CompressedState:
@@ -184,8 +235,10 @@ class CompressedState:
         m, d, w = kind.ratio, kind.dim, kind.dim * (2 if kind.overlap else 1)
         self.ratio = m
         self.kv, self.gate = np.zeros((m, w), np.float32), np.zeros((m, w), np.float32)
-        # before the first block: gate -inf, softmax weight 0
-        self.prior_kv, self.prior_gate = np.zeros((m, d), np.float32), np.full((m, d), -np.inf, np.float32)
+        # (CSA) the last complete block's first half; before the first block: gate -inf, softmax
+        # weight 0. HCA keeps none (Compressed.fixed_bytes counts what is here)
+        o = m if kind.overlap else 0
+        self.prior_kv, self.prior_gate = np.zeros((o, d), np.float32), np.full((o, d), -np.inf, np.float32)
         self._rows = entries if entries is not None else np.zeros((0, d), np.float32)   # old rows: dead
 
     def entries(self, length: int) -> np.ndarray:
@@ -242,9 +295,9 @@ class Compressor:
 class CompressorBlock:
     def __init__(self, spec: Compressor, c, p: str, eps: float):
         self.spec, self.eps = spec, eps
-        self.kv, self.gate = c.load(p + "wkv.weight"), c.load(p + "wgate.weight")
-        self.bias = kernels.vector(c.load(p + "ape"))
-        self.norm = norm_weight(c, p + "norm.weight")
+        w = load_needs(c, spec.tensors(p), p)
+        self.kv, self.gate = w["wkv.weight"], w["wgate.weight"]
+        self.bias, self.norm = kernels.vector(w["ape"]), kernels.vector(w["norm.weight"])
 
     def update(self, h: np.ndarray, cache, i: int) -> np.ndarray:
         """Fold the rows of h [T, hidden] (positions from cache.length on) into layer i's state;
@@ -295,10 +348,11 @@ class Indexer:
     topk: int
 
     def tensors(self, p: str) -> list[Need]:
-        d = self.compressor.dim
-        return self.compressor.tensors(p + "compressor.") + [
-            Need(p + "wq_b.weight", (self.heads * d, self.q_lora_rank)),
-            Need(p + "weights_proj.weight", (self.heads, self.compressor.hidden), float32=True)]
+        return self.compressor.tensors(p + "compressor.") + self.own_tensors(p)
+
+    def own_tensors(self, p: str) -> list[Need]:
+        return [Need(p + "wq_b.weight", (self.heads * self.compressor.dim, self.q_lora_rank)),
+                Need(p + "weights_proj.weight", (self.heads, self.compressor.hidden), float32=True)]
 
     def build(self, c, p: str, eps: float) -> "IndexerBlock":
         return IndexerBlock(self, c, p, eps)
@@ -307,7 +361,8 @@ class Indexer:
 class IndexerBlock:
     def __init__(self, spec: Indexer, c, p: str, eps: float):
         self.spec, self.compressor = spec, spec.compressor.build(c, p + "compressor.", eps)
-        self.q_b, self.weights = c.load(p + "wq_b.weight"), c.load(p + "weights_proj.weight")
+        w = load_needs(c, spec.own_tensors(p), p)
+        self.q_b, self.weights = w["wq_b.weight"], w["weights_proj.weight"]
 
     def select(self, h, q_res, pos, cache, i: int, cos, sin) -> np.ndarray:
         """[T, N] bool: the entries each query attends to."""
@@ -435,6 +490,12 @@ class V4MoEBlock:
         return self.block(i, h, step, routed)
 
 
+@functools.lru_cache(maxsize=1)
+def chat_template() -> str:
+    """Our Jinja form of the release's Python chat encoder (models/templates/deepseek_v4.jinja)."""
+    return (Path(__file__).parent / "templates" / "deepseek_v4.jinja").read_text(encoding="utf-8")
+
+
 # --- the family -------------------------------------------------------------------------------------
 class DeepseekV4:
     model_type = "deepseek_v4"
@@ -490,4 +551,28 @@ class DeepseekV4:
         spec.embedding = StreamEmbedding(spec.vocab_size, H, spec.tie_word_embeddings, n=n_hc)
         spec.head = StreamHead(spec.vocab_size, H, n_hc, r.number("hc_eps"), spec.tie_word_embeddings, LAYOUT.head)
         spec.rope_tables = tables
+        spec.chat_template = chat_template()
         return spec
+
+    @staticmethod
+    def mtp_tensors(spec: ArchSpec, config: dict) -> list[Need]:
+        """The release's MTP blocks (``mtp.K.``, for the catalog's sizes): a sliding layer with a
+        score-routed gate (vLLM gives it no compressor; its compress_ratios entry is 0), e_proj /
+        h_proj [H, H], enorm / hnorm / norm and its own hc head."""
+        n = config.get("num_nextn_predict_layers") or 0
+        if not isinstance(n, int) or n <= 0:
+            return []
+        H = spec.hidden_size
+        rates = {**DEFAULT_RATES, **{t: m for t, m in attention_kinds(
+            ConfigReader("deepseek_v4", config, DEFAULTS, ALIASES), spec.num_layers) if m}}
+        one = {k: v for k, v in config.items() if k not in ("compress_ratios", "num_hash_layers")}
+        one.update(num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"], compress_rates=rates)
+        layer = DeepseekV4.spec(one).layers[0]
+        out = []
+        for k in range(n):
+            p = f"mtp.{k}."
+            out += [t for t in layer.tensors(p, H) if t.synthetic and t.shape]
+            out += [Need(p + w + ".weight", (H, H)) for w in ("e_proj", "h_proj")]
+            out += [Need(p + w + ".weight", (H,)) for w in ("enorm", "hnorm")]
+            out += StreamHead(spec.vocab_size, H, layer.n, 0.0, True, LAYOUT.head).tensors(p)   # + its norm
+        return out

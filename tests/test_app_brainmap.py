@@ -333,3 +333,66 @@ def test_small_model_has_one_level_and_stretched_cells():
             assert [t[:2] for t in text[:6]] == ["0 ", "  ", "1▸", " ▸", "2 ", "  "]
             assert text[0][2:] == "▀" * 32 + " " * (bm.size.width - 34)
     asyncio.run(run())
+
+
+def test_hash_routed_layers_are_marked_and_named():
+    """DeepSeek V4's first layers route by token id (their experts are known from the token, not
+    predicted): their rows carry # in the gutter, the cell says "hash-routed", the legend explains
+    the mark; a model without such layers shows none of it."""
+    from textual.app import App
+
+    from colibri_tui.brainmap import BrainMap
+    from colibri_tui.tierpanel import TierPanel
+
+    class MapApp(App):
+        def compose(self):
+            yield TierPanel()
+
+    async def run():
+        app = MapApp()
+        async with app.run_test(size=(60, 40)) as pilot:
+            panel = app.query_one(TierPanel)
+            panel.set_model(4, 8, hashed=[0, 1])
+            panel.push(placement={0: {1: "ram"}}, heat={(0, 1): 5.0}, routed={0: [1]})
+            await pilot.pause()
+            bm = app.query_one(BrainMap)
+            assert [t[:2] for t in plain(bm)[:8]] == ["0#", " #", "1#", " #", "2 ", "  ", "3 ", "  "]
+            assert "# hash-routed layer: experts from the token" in str(panel.query_one("#brain-legend").render())
+            await pilot.click(bm, offset=(bm.gutter_width() + 4, 1))       # expert 1 of layer 0
+            assert str(panel.query_one("#brain-info").render()) == \
+                "layer 0 × expert 1 · hash-routed\nRAM · heat 5 · routed now"
+            await pilot.press("down", "down")
+            assert str(panel.query_one("#brain-info").render()) == "layer 2 × expert 1\ndisk · heat 0"
+            assert [t[:2] for t in plain(bm)[:2]] == ["0#", " #"]          # the cursor left: the mark is back
+            panel.set_model(4, 8)
+            await pilot.pause()
+            assert "#" not in "".join(t[:2] for t in plain(bm)) and "hash" not in str(
+                panel.query_one("#brain-legend").render())
+    asyncio.run(run())
+
+
+def test_the_app_marks_dsv4_hash_layers(tmp_path, dirs):
+    """The real app on a DeepSeek V4 container (dsv4-a: layers 0 and 1 hash-routed): the engine
+    says which (plain ints: the UI imports no numpy) and the map marks them."""
+    import shutil
+    from pathlib import Path
+
+    from core.converter import convert
+    from models import validate_config
+    from tests.conftest import tokenizer_files
+    src = tmp_path / "src"
+    shutil.copytree(Path(__file__).resolve().parent / "oracle" / "fixtures" / "dsv4-a" / "model", src)
+    tokenizer_files(src, 300)
+    out = convert(src, tmp_path / "dsv4", bits=16, validate_config=validate_config)
+
+    async def run():
+        async with make_app(out).run_test(size=(120, 40)) as pilot:
+            app = pilot.app
+            await wait_for(pilot, lambda: app.engine is not None and not app.loading)
+            await pilot.pause()
+            assert app.engine.known_layers == [0, 1] and all(type(i) is int for i in app.engine.known_layers)
+            bm = app.tier_panel.brain
+            assert bm.hashed == {0, 1}
+            gutter = [t[:2] for t in plain(bm)]
+            assert all(g.endswith("#") for g in gutter[:4]) and not any("#" in g for g in gutter[4:8])
+    asyncio.run(run())

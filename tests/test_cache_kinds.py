@@ -186,3 +186,66 @@ def test_a_kind_keeping_an_object_of_its_own_checkpoints_it_and_is_not_saved(tmp
     assert not cache.savable and cache[0]["kv"]["k"] is cache.k[0]
     entry = SimpleNamespace(ids=[1, 2, 3], cache=cache, logits=None, prompt_len=3, checkpoint=saved)
     assert SessionStore(tmp_path).save(None, 1, entry) is None
+
+
+def test_coli_plan_states_each_dsv4_kind_and_the_state_holds_what_it_says(containers, capsys):
+    """DeepSeek V4 (tiny dsv4-a): coli plan gives each kind apart -- the window's ring (fixed),
+    the compressed entries and the indexer keys (per ratio positions, plus the open block) -- and
+    after a prefill the cache's arrays are those bytes: fixed ones exactly (an HCA compressor keeps
+    no overlap half), entries at most the stated bytes per position."""
+    import json
+
+    import numpy as np
+
+    from colibri_tui.cli import main as coli
+    from core.cache_kinds import by_kind, layer_kinds
+    from models import family_for, open_model
+    path = containers("dsv4-a", 16)
+    cfg = json.loads((path / "config.json").read_text())
+    spec = family_for(cfg).spec(cfg)
+    D, d, W = cfg["head_dim"], cfg["index_head_dim"], cfg["sliding_window"]
+    rates = cfg["compress_rates"]
+    csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+    rows = {r["kind"]: r for r in by_kind(spec.cache_kinds)}
+    assert rows[f"ring of {W} (kv: 1 x {D} each)"] == {"kind": f"ring of {W} (kv: 1 x {D} each)", "layers": 4,
+                                                       "bytes_per_position": 0, "fixed_bytes": W * D * 4}
+    entries = rows[f"compressed entries ({D} per {csa} positions)"]
+    index = rows[f"indexer keys ({d} per {csa} positions)"]
+    numbers = lambda row: (row["layers"], row["bytes_per_position"], row["fixed_bytes"])    # noqa: E731
+    assert numbers(entries) == (2, D * 4 // csa, 4 * 2 * csa * 3 * D)
+    assert numbers(index) == (2, d * 4 // csa, 4 * 2 * csa * 3 * d)
+    heavy = rows[f"compressed entries ({D} per {hca} positions)"]
+    assert numbers(heavy) == (1, D * 4 // hca, 4 * 2 * hca * D)
+    assert coli(["plan", "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    for k in rows.values():
+        assert (f"{k['kind']} on {k['layers']} layer{'s' if k['layers'] > 1 else ''}: "
+                f"{k['bytes_per_position']:,} bytes per position + {k['fixed_bytes']:,} fixed each") in out
+    engine = open_model(path, threads=1)
+    cache = engine.new_cache()
+    n = 45
+    engine.prefill(list(np.arange(n) % cfg["vocab_size"]), cache)
+    for i, entry in enumerate(spec.cache_kinds):
+        for k in layer_kinds(entry):
+            kept = cache[i][k.name]
+            if k.name == "ring":
+                assert sum(a.nbytes for a in cache.state[i].values()) == k.fixed_bytes()
+                continue
+            assert sum(a.nbytes for a in (kept.kv, kept.gate, kept.prior_kv, kept.prior_gate)) == k.fixed_bytes()
+            assert kept.entries(n).nbytes == (n // k.ratio) * k.dim * 4 <= n * k.bytes_per_position()
+
+
+def test_the_flash_kinds_at_the_real_geometry():
+    """DeepSeek-V4-Flash's caches as coli plan states them: a 128-position ring of 512 values on
+    all 43 layers; CSA (21 layers) 512-value entries + 128-value indexer keys per 4 positions;
+    HCA (20 layers) 512-value entries per 128 positions."""
+    from core.cache_kinds import by_kind
+    from models.catalog import load
+    from models.deepseek_v4 import DeepseekV4
+    flash = next(e for e in load() if e.repo == "deepseek-ai/DeepSeek-V4-Flash")
+    got = [(r["kind"], r["layers"], r["bytes_per_position"], r["fixed_bytes"])
+           for r in by_kind(DeepseekV4.spec(flash.config).cache_kinds)]
+    assert got == [("ring of 128 (kv: 1 x 512 each)", 43, 0, 128 * 512 * 4),
+                   ("compressed entries (512 per 4 positions)", 21, 512, 4 * 2 * 4 * 3 * 512),
+                   ("indexer keys (128 per 4 positions)", 21, 128, 4 * 2 * 4 * 3 * 128),
+                   ("compressed entries (512 per 128 positions)", 20, 16, 4 * 2 * 128 * 512)]

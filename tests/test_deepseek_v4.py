@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no deepseek_v4", allow_module_level=True)
 
+from core import kernels                                       # noqa: E402
 from core.converter import convert                             # noqa: E402
 from core.errors import ColiError                              # noqa: E402
 from models import open_model                                  # noqa: E402
@@ -257,7 +258,7 @@ def test_prefix_reuse_continues_at_the_checkpoint_or_the_end(case):
     engine.usage_file = fresh.usage_file = None
     fresh.prefix_cache = False
     assert not engine.prefixes.truncatable
-    assert not engine.new_cache().savable       # saved sessions skip it (core.cache), never half a state
+    assert engine.new_cache().savable           # saved sessions write its objects (core.sessions)
 
     def turn(e, prompt):
         evs = list(e.generate(list(map(int, prompt)), SamplingParams(temperature=0.0), max_new_tokens=3))
@@ -303,3 +304,37 @@ def test_a_bad_hash_table_is_refused_at_open(table, words):
             return Weight("dense", (8, 32), np.zeros((8, 32), np.float32))
     with pytest.raises(ColiError, match=words):
         HashRouter(2, "sqrtsoftplus", 1.5, 64).build(Tensors(), "model.layers.0.ffn.", 8, 32)
+
+
+@pytest.fixture(scope="module")
+def hub_fp4(tmp_path_factory):
+    """The dsv4-a Hub fixture converted with the defaults: its FP4 experts as shipped."""
+    from tests.conftest import COMMITTED
+    out = tmp_path_factory.mktemp("dsv4hub") / "c"
+    convert(COMMITTED / "dsv4-a" / "hub", out, validate_config=validate_config)
+    return out, np.load(COMMITTED / "dsv4-a" / "reference.npz")["ids"]
+
+
+def test_fp4_experts_placement_and_threads_never_change_the_bits(hub_fp4):
+    """FP4 experts through the compiled kernels: every placement, prefetch off, 2 threads, and the
+    decode steps too, give the bits of all experts resident on one thread."""
+    out, ids = hub_fp4
+    base = open_model(out, threads=1)
+    want = base.logits(ids)
+    cache = base.new_cache()
+    want_steps = np.concatenate([base.forward([t], cache) for t in ids[:12]])
+    for kw in (dict(cap=1), dict(cap=2, prefetch=False), dict(cap=1, threads=2)):
+        e = open_model(out, **kw)
+        assert np.array_equal(e.logits(ids), want)
+        cache = e.new_cache()
+        assert np.array_equal(np.concatenate([e.forward([t], cache) for t in ids[:12]]), want_steps)
+    kernels.set_threads(None)
+
+
+def test_the_compiled_kernels_agree_with_the_numpy_composition(hub_fp4, monkeypatch):
+    out, ids = hub_fp4
+    engine = open_model(out, threads=1)
+    fast = engine.logits(ids)
+    monkeypatch.setattr(kernels, "_compiled", None)
+    slow = engine.logits(ids)
+    assert np.abs(fast - slow).max() <= 1e-4 and (fast.argmax(-1) == slow.argmax(-1)).all()

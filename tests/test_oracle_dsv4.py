@@ -144,3 +144,32 @@ def test_encoders_round_to_nearest_even():
     s = np.repeat(np.repeat(hf.e8m0(scale), 128, 0), 128, 1)[:130, :260]
     want = torch.from_numpy(w / s).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     np.testing.assert_array_equal(code, want)
+
+
+def test_transformers_in_memory_names_convert_to_the_same_logits(tmp_path):
+    """A state dict saved with transformers' in-memory names (self_attn.*, attn_hc, fused
+    mlp.experts.gate_up_proj / down_proj, lm_head) -- what a save without the reverse mapping
+    writes -- converts through the family's renames to the saved layout's logits."""
+    import shutil
+
+    import pytest
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from colibri_tui.cli import main as coli
+    src = COMMITTED / "dsv4-a" / "model"
+    m = transformers.DeepseekV4ForCausalLM.from_pretrained(src)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    shutil.copy(src / "config.json", raw / "config.json")
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(raw / "model.safetensors"))
+    assert any(".self_attn." in k for k in m.state_dict()) and "lm_head.weight" in m.state_dict()
+    ids = np.load(COMMITTED / "dsv4-a" / "reference.npz")["ids"]
+    outs = []
+    for d in (src, raw):
+        c = tmp_path / f"c-{d.name}"
+        assert coli(["convert", str(d), str(c), "--bits", "16"]) == 0
+        assert coli(["logits", "--model", str(c), "--ids", ",".join(map(str, ids)), "--out", str(c / "l.npy")]) == 0
+        outs.append(np.load(c / "l.npy"))
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -98,6 +98,11 @@ def test_the_file_is_bound_to_the_model_the_precision_and_intact_bytes(saved, de
     other = open_engine(str(tiny_app_container(tmp_path, "other")))
     r = store.restore(other, 1, list(range(1, 40)))
     assert not r.loaded and "another model" in r.warning
+    # a format 1 file (written before the objects of format 2; the same bytes otherwise) still reads
+    assert good[8:12] == struct.pack("<I", 2)
+    store.path(1).write_bytes(good[:8] + struct.pack("<I", 1) + good[12:])
+    fresh = open_engine(demo)
+    assert store.restore(fresh, 1, fresh.prompt_ids(msgs)).loaded
 
 
 def test_disk_budget_evicts_the_least_recently_used(demo, tmp_path):
@@ -281,4 +286,67 @@ def test_a_linear_attention_state_and_its_checkpoint_are_saved_too(fixture_root,
     data[-8] ^= 0x10                                      # inside the checkpoint's state
     store.path("lin").write_bytes(bytes(data))
     r = store.restore(open_engine(path), "lin", ids[:12])
+    assert not r.loaded and "checksum" in r.warning
+
+
+def test_a_dsv4_cache_continues_after_a_restart_with_the_same_logits(fixture_root, containers, tmp_path):
+    """DeepSeek V4 (dsv4-a: window 8, CSA ratio 4 with its indexer, HCA ratio 8): the ring and the
+    compressors' objects -- entries, the open block's rows, the overlap half -- and their
+    checkpoint at the prompt's end go into the file (format 2, objects by kind and version); a
+    reopened chat continues without prefill, at the checkpoint or at the end, with the reply and
+    the logits of the uninterrupted session; another kind version or damaged object bytes are
+    computed again."""
+    import json
+
+    from core.sessions import FORMAT, MAGIC, SessionStore
+    path = containers("dsv4-a", 16)
+    ids = np.load(fixture_root / "dsv4-a" / "reference.npz")["ids"].tolist()
+    one = open_engine(path)
+    r1 = turn(one, ids[:11], 4)[0]             # 14 positions: blocks open in every compressor
+    store = SessionStore(tmp_path / "caches")
+    assert store.save(one, "v4") is not None
+    raw = store.path("v4").read_bytes()
+    size = struct.unpack("<Q", raw[len(MAGIC) + 4: len(MAGIC) + 12])[0]
+    header = json.loads(raw[len(MAGIC) + 12: len(MAGIC) + 12 + size])
+    assert header["format"] == FORMAT == 2 and header["checkpoint"]
+    assert header["objects"][1] == [["compressor", 1, [["entries", [3, 16], "float32"], ["kv", [4, 32], "float32"],
+                                                       ["gate", [4, 32], "float32"], ["prior_kv", [4, 16], "float32"],
+                                                       ["prior_gate", [4, 16], "float32"]]],
+                                    ["indexer", 1, [["entries", [3, 16], "float32"], ["kv", [4, 32], "float32"],
+                                                    ["gate", [4, 32], "float32"], ["prior_kv", [4, 16], "float32"],
+                                                    ["prior_gate", [4, 16], "float32"]]]]
+    assert header["objects"][0] == [] and header["objects"][2][0][2][0] == ["entries", [1, 16], "float32"]
+    V = one.spec.vocab_size
+    for follow in (ids[:11] + [(t + 1) % V for t in r1] + ids[11:20],    # at the checkpoint
+                   ids[:11] + r1[:-1] + ids[11:17]):                    # at the end
+        same = open_engine(path)
+        turn(same, ids[:11], 4)
+        want = turn(same, follow, 4)
+        other = open_engine(path)
+        r = store.restore(other, "v4", follow)
+        assert r.loaded and r.positions == want[2].cached_tokens > 0
+        got = turn(other, follow, 4)
+        assert got[0] == want[0] and got[2].cached_tokens == want[2].cached_tokens
+    # the logits: the restored cache's next pass against the uninterrupted one's, bit for bit
+    other = open_engine(path)
+    assert store.restore(other, "v4", ids[:11] + r1[:-1] + ids[11:13]).loaded
+    a, b = one.prefixes.latest().cache, other.prefixes.latest().cache
+    assert a.length == b.length == 14
+    nxt = np.asarray(ids[11:16], np.int64)
+    np.testing.assert_array_equal(one.forward(nxt, a, all_logits=True), other.forward(nxt, b, all_logits=True))
+    # another kind version: another layout, computed again (never misread)
+    from models.deepseek_v4 import Compressed
+    Compressed.version = 2
+    try:
+        r = store.restore(open_engine(path), "v4", ids[:12])
+    finally:
+        Compressed.version = 1
+    assert not r.loaded and "do not match" in r.warning and not store.path("v4").exists()
+    again = open_engine(path)
+    turn(again, ids[:11], 4)
+    assert store.save(again, "v4") is not None
+    data = bytearray(store.path("v4").read_bytes())
+    data[-8] ^= 0x10                                      # inside the compressors' checkpoint
+    store.path("v4").write_bytes(bytes(data))
+    r = store.restore(open_engine(path), "v4", ids[:12])
     assert not r.loaded and "checksum" in r.warning

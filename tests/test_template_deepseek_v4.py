@@ -77,3 +77,32 @@ def test_tool_calls_accept_calls_without_function_wrapper(tok):
     bare = copy.deepcopy(wrapped)
     bare[2]["tool_calls"] = [call["function"] for call in bare[2]["tool_calls"]]
     assert tok.apply_chat_template(bare) == tok.apply_chat_template(copy.deepcopy(wrapped))
+
+
+def _hub_with_tokenizer(tmp_path, keep_template: bool):
+    import shutil
+
+    from tests.conftest import COMMITTED, tokenizer_files
+    src = tmp_path / "hub"
+    shutil.copytree(COMMITTED / "dsv4-a" / "hub", src)
+    tokenizer_files(src)
+    if not keep_template:        # the release: a tokenizer, no Jinja template (a Python encoder)
+        cfg = json.loads((src / "tokenizer_config.json").read_text())
+        del cfg["chat_template"]
+        (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return src
+
+
+@pytest.mark.parametrize("keep_template", [False, True])
+def test_convert_gives_a_release_without_a_template_ours(tmp_path, keep_template):
+    from colibri_tui.cli import main as coli
+    out = tmp_path / "out"
+    assert coli(["convert", str(_hub_with_tokenizer(tmp_path, keep_template)), str(out)]) == 0
+    text = ChatTokenizer.from_dir(str(out)).apply_chat_template([{"role": "user", "content": "Ciao"}],
+                                                               add_generation_prompt=True)
+    if keep_template:            # the release's own template wins
+        assert not (out / "chat_template.jinja").exists() and "<|im_start|>user" in text
+    else:
+        with open(TEMPLATE, encoding="utf-8") as f:
+            assert (out / "chat_template.jinja").read_text(encoding="utf-8") == f.read()
+        assert text.endswith("<｜User｜>Ciao<｜Assistant｜></think>")

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import kernels
 from ..cache_kinds import Ring
-from .common import Need, norm_weight
+from .common import Need, load_needs
 from .linear_attention import check_folded
 from .mhc import unweighted_rms_norm
 
@@ -76,15 +76,17 @@ class SharedKV:
         return (Ring(1, self.head_dim, self.window, ("kv",)),) + (tuple(self.extra.cache_kinds()) if self.extra else ())
 
     def tensors(self, p: str) -> list[Need]:
+        return self.own_tensors(p) + (self.extra.tensors(p) if self.extra else [])
+
+    def own_tensors(self, p: str) -> list[Need]:
         """DeepSeek's names (what transformers' save_pretrained writes): wq_a, q_norm (of the q
         LoRA), wq_b, wkv, norm (of kv), wo_a, wo_b, attn_sink."""
         H, D, G = self.hidden, self.head_dim, self.o_groups
-        out = [Need(p + "wq_a.weight", (self.q_lora_rank, H)), Need(p + "q_norm.weight", (self.q_lora_rank,)),
-               Need(p + "wq_b.weight", (self.heads * D, self.q_lora_rank)),
-               Need(p + "wkv.weight", (D, H)), Need(p + "norm.weight", (D,)),
-               Need(p + "wo_a.weight", (G * self.o_lora_rank, self.heads * D // G)),
-               Need(p + "wo_b.weight", (H, G * self.o_lora_rank)), Need(p + "attn_sink", (self.heads,))]
-        return out + (self.extra.tensors(p) if self.extra else [])
+        return [Need(p + "wq_a.weight", (self.q_lora_rank, H)), Need(p + "q_norm.weight", (self.q_lora_rank,)),
+                Need(p + "wq_b.weight", (self.heads * D, self.q_lora_rank)),
+                Need(p + "wkv.weight", (D, H)), Need(p + "norm.weight", (D,)),
+                Need(p + "wo_a.weight", (G * self.o_lora_rank, self.heads * D // G)),
+                Need(p + "wo_b.weight", (H, G * self.o_lora_rank)), Need(p + "attn_sink", (self.heads,))]
 
     def build(self, c, p: str, eps: float) -> "SharedKVAttention":
         return SharedKVAttention(self, c, p, eps)
@@ -93,12 +95,13 @@ class SharedKV:
 class SharedKVAttention:
     def __init__(self, spec: SharedKV, c, p: str, eps: float):
         self.spec, self.eps = spec, eps
-        self.q_a, self.q_b, self.kv, self.o_b = (c.load(p + n + ".weight") for n in ("wq_a", "wq_b", "wkv", "wo_b"))
-        self.q_a_norm, self.kv_norm = norm_weight(c, p + "q_norm.weight"), norm_weight(c, p + "norm.weight")
+        w = load_needs(c, spec.own_tensors(p), p)
+        self.q_a, self.q_b, self.kv, self.o_b = (w[n + ".weight"] for n in ("wq_a", "wq_b", "wkv", "wo_b"))
+        self.q_a_norm, self.kv_norm = kernels.vector(w["q_norm.weight"]), kernels.vector(w["norm.weight"])
         # o_a [G * R, heads * D / G] as G row blocks [R, heads * D / G], in the container's scheme
-        o_a, R = c.load(p + "wo_a.weight"), spec.o_lora_rank
+        o_a, R = w["wo_a.weight"], spec.o_lora_rank
         self.o_a = [kernels.weight_rows(o_a, g * R, (g + 1) * R) for g in range(spec.o_groups)]
-        self.sinks = kernels.vector(c.load(p + "attn_sink"))
+        self.sinks = kernels.vector(w["attn_sink"])
         self.extra = spec.extra.build(c, p, eps) if spec.extra else None
         self.scale = np.float32(1.0 / math.sqrt(spec.head_dim))
 
