@@ -3,7 +3,7 @@
     python benchmarks/decode.py [--dir DIR] [--tokens 32] [--threads 1,2] [--prompt-len 8]
                                 [--prefill 512] [--no-torch] [--layers N]
                                 [--kv-cache float32|float16] [--int8-activations] [--repeats 1]
-                                [--busy N] [--model DIR] [--geometry glm45air|glm5|qwen36]
+                                [--busy N] [--model DIR] [--geometry glm45air|glm5|qwen36|dsv4flash]
                                 [--context 0,4096] [--fill synthetic|prefill]
 
 Uses the random-weight OLMoE-1B-7B-geometry container of benchmarks/streaming.py (made once under
@@ -12,10 +12,11 @@ DIR, default /work/bench_models/olmoe-geom, and kept), opens it with every exper
 each run in a fresh process, and prints decode tok/s next to the bandwidth bound:
 
     bound = numpy read bandwidth (same thread count) / bytes touched per decoded token,
-    bytes touched = layers x top-k x expert bytes + dense bytes (attention, norms, router,
-    lm_head; the embedding table counts one row) + the KV cache attention reads at the timed
-    steps' mean context (--prompt-len + --tokens / 2 positions: negligible at the default 8-token
-    prompt, most of the bytes at a few thousand; --kv-cache float16 for the opt-in cache).
+    bytes touched = layers x top-k x expert bytes (as stored: int4 + scales, FP4 + scale bytes)
+    + dense bytes (attention, norms, router, lm_head; the embedding and any integer index table
+    count one row) + the cache reads at the timed steps' mean context (--prompt-len + --tokens / 2
+    positions: negligible at the default 8-token prompt, most of the bytes at a few thousand;
+    --kv-cache float16 for the opt-in cache; ``cache_read_bytes``).
 
 Each run (a fresh process per thread count) first decodes the same prompt once to load the
 experts it routes to into RAM, then decodes again, timed: the figures are that second run's
@@ -42,14 +43,21 @@ float32) read and written each step, whatever the context; only the full layer's
 run also times one decode position of a Gated DeltaNet core three ways (the compiled one-call
 block, the compiled pieces step by step, the numpy composition).
 
+``--geometry dsv4flash`` (issue 26): DeepSeek-V4-Flash's first 4 layers (2 sliding-window, 1
+CSA, 1 HCA; 3 hash-routed) with FP4 routed experts. Its cache reads per step: each layer's ring
+(the last min(context, 128) shared-KV rows), the compressed entries (one per 4 / 128 positions;
+attention reads at most index_topk = 512 of the CSA layer's, the HCA layer's all) with their open
+block's rows, and the CSA layer's indexer keys (all of them). Each hash layer's tid2eid is a
+lookup table: one row a token.
+
 ``--context 0,4096``: context lengths to decode at, each a row of the tables (thread counts and
 contexts interleave under --repeats). 0 is the short case above (the --prompt-len prompt through
 generate()); N > 0 decodes --tokens greedy tokens after N positions already in the cache, step
 by step through Engine.forward (after 2 untimed steps), so the mean context is N + 2 + tokens/2.
 ``--fill`` says how the N positions get there: ``prefill`` runs Engine.prefill over N random ids
 (real, and timed: fill s in the table); ``synthetic`` (default) writes random unit-RMS rows of
-the very arrays and shapes the layers' cache kinds keep (KV / latent / index keys) and sets the
-length, which takes a second instead of minutes: attention then reads the same bytes at the same
+the very arrays and shapes the layers' cache kinds keep (KV / latent / index keys, rings, DeepSeek
+V4's compressed entries and open blocks) and sets the length, which takes a second instead of minutes: attention then reads the same bytes at the same
 shapes (DSA's top-k selection runs on random scores, so which positions it picks differs, not
 how many). ``--prefill 4096`` still times one real prefill of that length in the first run.
 
@@ -102,8 +110,9 @@ if str(ROOT) not in sys.path:
 
 import core  # noqa: E402,F401  (first: core/__init__.py sets OpenBLAS's spin timeout before numpy loads)
 from benchmarks.common import format_summary, machine_summary, ram_read_gbps  # noqa: E402
-from benchmarks.families import GEOMETRIES, LABELS, default_dir, ensure, geometry  # noqa: E402
-from benchmarks.streaming import DEFAULT_DIR, ensure_container, expert_geometry  # noqa: E402
+from benchmarks.families import FP4_EXPERTS, GEOMETRIES, LABELS, default_dir, ensure, geometry  # noqa: E402
+from benchmarks.streaming import (DEFAULT_DIR, ensure_container, expert_geometry, lookup_tables,  # noqa: E402
+                                 weight_bytes)
 from core.arch import KV_CACHES  # noqa: E402
 
 
@@ -247,7 +256,8 @@ def load_all_experts(engine, geo: dict) -> None:
 def fill_cache(engine, cache, n: int, how: str, seed: int, vocab: int) -> float:
     """n positions into a fresh cache: 'prefill' (Engine.prefill over n random ids) or
     'synthetic' (random unit-RMS rows written into the arrays the layers' cache kinds keep, at
-    their shapes; the length set). Seconds taken."""
+    their shapes, and a compressor's n // ratio entries and open block; the length set). Seconds
+    taken."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -260,9 +270,18 @@ def fill_cache(engine, cache, n: int, how: str, seed: int, vocab: int) -> float:
             for arr in cache.arrays[i].values():          # [lead, capacity, width]
                 for h in range(arr.shape[0]):
                     arr[h, :n] = rng.standard_normal((n, arr.shape[2]), dtype=np.float32)
-        for fixed in getattr(cache, "state", ()):            # linear layers: conv + recurrent state
+        for fixed in getattr(cache, "state", ()):            # conv + recurrent state, rings
             for arr in fixed.values():                         # (fixed size: any values, same work)
                 arr[...] = 0.1 * rng.standard_normal(arr.shape, dtype=np.float32)
+        for i, kinds in enumerate(cache.kinds):
+            for kind in kinds:
+                if hasattr(kind, "ratio"):     # compressed entries (DeepSeek V4): one per ratio positions
+                    m, d, w = kind.ratio, kind.dim, kind.dim * (2 if kind.overlap else 1)
+                    rows = rng.standard_normal((n // m, d), dtype=np.float32)
+                    kv, gate = (rng.standard_normal((n % m, w), dtype=np.float32) for _ in range(2))
+                    prior = tuple(rng.standard_normal((m, d), dtype=np.float32) for _ in range(2)) \
+                        if kind.overlap and n >= m else None
+                    cache[i][kind.name].commit(0, rows, kv, gate, prior)    # entries, the open block
         cache.length = n
         if hasattr(cache, "folded"):
             cache.folded = [n] * len(cache.folded)             # the state "holds" the n positions
@@ -457,17 +476,44 @@ def torch_available() -> str | None:
 
 
 # --- the model ------------------------------------------------------------------------------------
-def embed_bytes(path: Path) -> int:
-    from core.container import Container
-
-    c = Container(path)
-    try:
-        return sum(info.nbytes for name, (_, info) in c.index.items() if "embed_tokens" in name)
-    finally:
-        c.close()
+def describe_tables(tables: dict[str, tuple[int, int]]) -> str:
+    """"embedding 0.53 GB + 3 index tables 0.019 GB"."""
+    emb = sum(t for n, (t, _) in tables.items() if "embed_tokens" in n)
+    other = [t for n, (t, _) in tables.items() if "embed_tokens" not in n]
+    return f"embedding {emb / 1e9:.2f} GB" + (f" + {len(other)} index table{'s' * (len(other) > 1)} "
+                                              f"{sum(other) / 1e9:.3f} GB" if other else "")
 
 
-def active_params(path: Path) -> tuple[int, int]:
+def cache_read_bytes(spec, n: float, dtype: str, topk: int | None = None) -> dict[str, int]:
+    """Cache bytes one decode step at a context of n positions touches, by kind name: a growing
+    kind (KV, latent, index keys) every position; a ring its last min(n, window) positions;
+    compressed entries (DeepSeek V4) one per ratio positions -- of which attention reads at most
+    ``topk`` where the layer's indexer selects them -- plus the open block's rows, read and written
+    back (about the kind's fixed bytes); any other fixed state (conv, recurrent) read and written
+    whole."""
+    from core import cache_kinds
+
+    out: dict[str, int] = {}
+    for entry in spec.cache_kinds:
+        kinds = cache_kinds.layer_kinds(entry)
+        selects = topk is not None and any(k.name == "indexer" for k in kinds)
+        for k in kinds:
+            if k.growing:
+                b = k.bytes_per_position(dtype) * n
+            elif hasattr(k, "window"):
+                b = k.fixed_bytes(dtype) * min(n, k.window) / k.window
+            elif hasattr(k, "ratio"):
+                entries = n // k.ratio
+                if selects and k.name != "indexer":
+                    entries = min(entries, topk)
+                b = entries * k.dim * 4 + k.fixed_bytes(dtype)
+            else:
+                b = 2 * k.fixed_bytes(dtype)
+            out[k.name] = out.get(k.name, 0) + int(b)
+    return out
+
+
+def active_params(path: Path, head_name: str = "lm_head.weight") -> tuple[int, int]:
     """(params a token multiplies through in the decoder layers: attention projections, router,
     top-k experts; lm_head params)."""
     import math
@@ -487,7 +533,7 @@ def active_params(path: Path) -> tuple[int, int]:
             if name.endswith(".qs") or not name.endswith(".weight") or name.endswith("norm.weight"):
                 continue
             li, e = tensor_place(name)
-            if name == "lm_head.weight":
+            if name == head_name:
                 head = params(name)
             elif li is None:
                 continue                                   # embedding: a row lookup
@@ -544,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="benchmark this container instead (e.g. models/demo/qwen3-moe-demo)")
     ap.add_argument("--geometry", choices=("olmoe",) + tuple(GEOMETRIES), default="olmoe",
                     help="the random container's geometry (benchmarks/families.py): OLMoE-1B-7B "
-                         "(default), GLM-4.5-Air or GLM-5 layers, a few deep")
+                         "(default), GLM-4.5-Air, GLM-5, Qwen3.6 or DeepSeek-V4-Flash layers, a few deep")
     ap.add_argument("--context", default="0",
                     help="context lengths to decode at, comma-separated (0: the --prompt-len prompt)")
     ap.add_argument("--fill", choices=("synthetic", "prefill"), default="synthetic",
@@ -589,7 +635,8 @@ def main(argv=None) -> int:
     elif a.geometry != "olmoe":
         a.preload = True
         a.dir = a.dir or default_dir(a.geometry)
-        path, _, _ = ensure(a.dir, geometry(a.geometry), a.seed, LABELS[a.geometry])
+        path, _, _ = ensure(a.dir, geometry(a.geometry), a.seed, LABELS[a.geometry],
+                            fp4_experts=a.geometry in FP4_EXPERTS)
         print(f"geometry: {LABELS[a.geometry]}, {path}")
     else:
         a.dir = a.dir or DEFAULT_DIR
@@ -608,34 +655,29 @@ def main(argv=None) -> int:
 
 def bench(a, path: Path, tmp: Path) -> int:
     geo = expert_geometry(path)
-    emb = embed_bytes(path)
-    weights = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"] - emb \
-        + emb // max(1, geo["vocab_size"])
-    from core.planner import kv_bytes_per_position
+    tables = lookup_tables(path)
+    weights = weight_bytes(geo, tables)
     from models import family_for
     config = json.loads((path / "config.json").read_text())
     spec = family_for(config).spec(config)
     contexts = parse_contexts(getattr(a, "context", "0"))
     a.contexts = contexts
-    bpp = kv_bytes_per_position(spec, a.kv_cache)
-    from core import cache_kinds
-    # linear layers: their conv + recurrent state (float32, fixed size) read and written each step
-    state_rw = 2 * cache_kinds.fixed_bytes(spec.cache_kinds, a.kv_cache)
-    touched, kv = {}, {}
+    touched, kv, cache_parts = {}, {}, {}
     for n in contexts:
-        kv[n] = int(bpp * mean_context(a, n)) + state_rw
+        cache_parts[n] = cache_read_bytes(spec, mean_context(a, n), a.kv_cache, config.get("index_topk"))
+        kv[n] = sum(cache_parts[n].values())
         touched[n] = weights + kv[n]
-    layer_params, head_params = active_params(path)
+    layer_params, head_params = active_params(path, spec.layout.head)
     print("machine:")
     print(format_summary(machine_summary(path)))
     n0 = contexts[0]
     print(f"model: {geo['layers']} layers x {geo['experts_per_layer']} experts of "
           f"{geo['expert_bytes'] / 1e6:.2f} MB (top-{geo['top_k']}), dense {geo['dense_bytes'] / 1e9:.2f} GB "
-          f"(embedding {emb / 1e9:.2f} GB, one row touched); touched per token {touched[n0] / 1e9:.3f} GB "
-          f"= weights {weights / 1e9:.3f} + {a.kv_cache} cache {kv[n0] / 1e9:.3f} "
-          f"(~{mean_context(a, n0):.0f} positions" + (", fixed state read + written included" if state_rw else "") + ")")
+          f"({describe_tables(tables)}, one row each touched); touched per token {touched[n0] / 1e9:.3f} GB = "
+          f"weights {weights / 1e9:.3f} + "
+          f"{a.kv_cache} cache {kv[n0] / 1e9:.3f} (~{mean_context(a, n0):.0f} positions)")
     if contexts != [0]:
-        print_breakdown(path, spec, geo, emb, weights, bpp, a, contexts, kv)
+        print_breakdown(path, spec, geo, tables, weights, a, contexts, cache_parts)
     if a.layers:
         print(f"(--layers {a.layers}: the first {a.layers} layers only)")
     threads = [v.strip() if v.strip() == DEFAULT else int(v) for v in a.threads.split(",")]
@@ -669,37 +711,44 @@ def mean_context(a, n: int) -> float:
     return (a.prompt_len if n == 0 else n + CONTEXT_WARMUP) + a.tokens / 2
 
 
-def print_breakdown(path, spec, geo, emb, weights, bpp, a, contexts, kv) -> None:
+def print_breakdown(path, spec, geo, tables, weights, a, contexts, cache_parts) -> None:
     """Bytes touched per decoded token, by part, and what each layer's cache keeps."""
     from core import cache_kinds
     from core.container import Container
 
     c = Container(path)
     try:
-        head = sum(info.nbytes for name, (_, info) in c.index.items() if name.startswith("lm_head."))
+        head_name = spec.layout.head
+        head = sum(info.nbytes for name, (_, info) in c.index.items() if name in (head_name, head_name + ".qs"))
     finally:
         c.close()
     experts = geo["layers"] * geo["top_k"] * geo["expert_bytes"]
-    row = emb // max(1, geo["vocab_size"])
-    rest = weights - experts - head - row
+    rows = sum(r for _, r in tables.values())
+    rest = weights - experts - head - rows
     kinds = {}
     for entry in spec.cache_kinds:
         key = " + ".join(f"{k.name} {k.bytes_per_position(a.kv_cache)} B" for k in cache_kinds.layer_kinds(entry))
         kinds[key] = kinds.get(key, 0) + 1
     print("bytes touched per decoded token: routed experts "
           f"{geo['layers']} MoE layers x top-{geo['top_k']} x {geo['expert_bytes'] / 1e6:.2f} MB = "
-          f"{experts / 1e9:.3f} GB; lm_head {head / 1e9:.3f} GB; other dense (attention, dense / shared "
-          f"MLPs, routers, norms) {rest / 1e9:.3f} GB; embedding row {row / 1e3:.1f} kB")
-    print(f"cache per position ({a.kv_cache}): {bpp} B = "
+          f"{experts / 1e9:.3f} GB; {head_name} {head / 1e9:.3f} GB; other dense (attention, dense / shared "
+          f"MLPs, routers, norms) {rest / 1e9:.3f} GB; a row of each lookup table {rows / 1e3:.1f} kB")
+    print(f"cache per position ({a.kv_cache}): {cache_kinds.bytes_per_position(spec.cache_kinds, a.kv_cache)} B = "
           + ", ".join(f"{n} layer{'s' * (n > 1)} x ({k})" for k, n in kinds.items()))
-    fixed = cache_kinds.fixed_bytes(spec.cache_kinds, a.kv_cache)
-    if fixed:
+    fixed = {k.name: k for e in spec.cache_kinds for k in cache_kinds.layer_kinds(e)
+             if not k.growing and not hasattr(k, "window") and not hasattr(k, "ratio")}
+    whole = cache_kinds.fixed_bytes([k for e in spec.cache_kinds for k in cache_kinds.layer_kinds(e)
+                                     if k.name in fixed], a.kv_cache)
+    if whole:
         print(f"fixed state (linear layers, whatever the context): {cache_kinds.describe(spec.cache_kinds, a.kv_cache)}"
-              f"; read + written each step: 2 x {fixed:,} B = {2 * fixed / 1e9:.4f} GB per token "
+              f"; read + written each step: 2 x {whole:,} B = {2 * whole / 1e9:.4f} GB per token "
               "(in the cache column below)")
     for n in contexts:
+        parts = cache_parts[n]
         print(f"  context {n or f'{a.prompt_len}-token prompt'}: mean {mean_context(a, n):.0f} positions "
-              f"-> cache {kv[n] / 1e9:.3f} GB read per token; touched {(weights + kv[n]) / 1e9:.3f} GB")
+              f"-> cache {sum(parts.values()) / 1e9:.3f} GB read per token"
+              + (f" ({', '.join(f'{k} {v / 1e6:.2f} MB' for k, v in parts.items())})" if len(parts) > 1 else "")
+              + f"; touched {(weights + sum(parts.values())) / 1e9:.3f} GB")
 
 
 def start_busy(n: int) -> list[subprocess.Popen]:
@@ -839,7 +888,7 @@ def measure(a, path, tmp, threads, touched, weights, kv, layer_params, head_para
             print(f"{t!s:>7} threads: prefill of {pf['tokens']} positions {pf['s']:.1f} s (attention "
                   f"{pf['attention_s']:.1f} s, experts {pf['experts_s']:.1f} s, lm_head {pf['lm_head_s']:.2f} s)")
     acts = "int8 activations (opt-in)" if a.int8_activations else "float32 activations"
-    print(f"(ours: int4 experts/attention, int8 lm_head, {acts}; pf = one {a.prefill}-token "
+    print(f"(ours: {geo['expert_scheme']} experts, int4 attention, int8 lm_head, {acts}; pf = one {a.prefill}-token "
           f"prefill, fresh KV cache, every expert resident; GFLOP/s counts 2 x "
           f"{layer_params / 1e9:.3f} G active params per token (attention projections, router, "
           f"top-{geo['top_k']} experts) + the lm_head once, no attention scores; sgemm = numpy float32 "

@@ -177,12 +177,9 @@ def our_container(directory: Path | None, layers: int, vocab: int, seed: int = 0
 
 def our_touched_bytes(path: Path) -> int:
     """As benchmarks/decode.py counts it: top-k experts per layer + dense tensors, one embedding row."""
-    from benchmarks.decode import embed_bytes, expert_geometry
+    from benchmarks.streaming import expert_geometry, lookup_tables, weight_bytes
 
-    geo = expert_geometry(path)
-    emb = embed_bytes(path)
-    return (geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"] - emb
-            + emb // max(1, geo["vocab_size"]))
+    return weight_bytes(expert_geometry(path), lookup_tables(path))
 
 
 OURS, OURS_INT8 = "int4-g64 (ours)", "int4-g64 x int8 act (ours)"

@@ -1,7 +1,7 @@
 """Streaming benchmark: decode with most experts on disk, against the disk-bound limit.
 
     python benchmarks/streaming.py [--dir DIR] [--budget-frac 0.25] [--tokens 64] [--keep]
-                                   [--geometry olmoe|glm45air|glm5]
+                                   [--geometry olmoe|glm45air|glm5|qwen36|dsv4flash]
 
 1. Makes (once) a random-weight container with OLMoE-1B-7B's geometry (16 layers, 64 experts,
    top-8, hidden 2048, expert intermediate 1024, 16 heads, vocab 50304, int4-g64: ≈ 3.6 GB of
@@ -18,9 +18,9 @@
 The weights are random, so the routing is not a real model's: hit rates here measure the store
 and the prefetcher on random-ish routing, not what OLMoE's real routing would give.
 
-``--geometry glm45air|glm5`` uses one of benchmarks/families.py's containers instead (GLM-4.5-Air's
-or GLM-5's real layer sizes, a few layers deep; default DIR /work/bench_models/NAME-geom-<L>L),
-made and kept by the same rules.
+``--geometry NAME`` uses one of benchmarks/families.py's containers instead (GLM-4.5-Air's, GLM-5's,
+Qwen3.6's or DeepSeek-V4-Flash's real layer sizes, a few layers deep; default DIR
+/work/bench_models/NAME-geom-<L>L), made and kept by the same rules.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def ensure_container(directory: Path, seed: int) -> tuple[Path, bool, float | No
 
 
 def expert_geometry(path: Path) -> dict:
-    from core.container import Container
+    from core.container import Container, tensor_place
 
     c = Container(path)
     try:
@@ -95,11 +95,38 @@ def expert_geometry(path: Path) -> dict:
         per_layer = len(sizes) // max(1, len(layers))
         dense = sum(info.nbytes for name, (_, info) in c.index.items() if ".experts." not in name)
         top_k = c.config.get("num_experts_per_tok", 8)
+        scheme = next((q.scheme for n, q in c.quant.items() if tensor_place(n)[1] is not None), "dense")
         return {"experts": len(sizes), "expert_bytes": max(sizes), "total_expert_bytes": sum(sizes),
+                "expert_scheme": scheme,
                 "layers": len(layers), "experts_per_layer": per_layer, "top_k": top_k,
                 "dense_bytes": dense, "vocab_size": c.config["vocab_size"]}
     finally:
         c.close()
+
+
+def lookup_tables(path: Path) -> dict[str, tuple[int, int]]:
+    """Tables a token reads one row of, name -> (bytes, bytes of one row): the embedding (codes
+    and row scales) and integer index tables (a hash router's token -> experts)."""
+    from core.container import Container
+
+    c = Container(path)
+    try:
+        out = {}
+        for name, (_, info) in c.index.items():
+            base = name.removesuffix(".qs")
+            if "embed_tokens" in base or (info.dtype.startswith("I") and base not in c.quant):
+                total, row = out.get(base, (0, 0))
+                out[base] = (total + info.nbytes, row + info.nbytes // max(1, info.shape[0]))
+        return out
+    finally:
+        c.close()
+
+
+def weight_bytes(geo: dict, tables: dict[str, tuple[int, int]]) -> int:
+    """Weight bytes a decoded token touches: top-k experts per MoE layer, every dense tensor but
+    the lookup tables (``lookup_tables``), of which one row each."""
+    return (geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"]
+            - sum(t for t, _ in tables.values()) + sum(r for _, r in tables.values()))
 
 
 # --- one measured run (a child process) -------------------------------------------------------------
@@ -195,10 +222,12 @@ def fmt(v, spec: str = ".2f") -> str:
 
 
 def main(argv=None) -> int:
+    from benchmarks import families
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=None,
                     help=f"the container (default {DEFAULT_DIR}, or benchmarks/families.py's with --geometry)")
-    ap.add_argument("--geometry", choices=("olmoe", "glm45air", "glm5"), default="olmoe",
+    ap.add_argument("--geometry", choices=("olmoe",) + tuple(families.GEOMETRIES), default="olmoe",
                     help="the random container's geometry: OLMoE-1B-7B (default) or a family's layers")
     ap.add_argument("--budget-frac", type=float, default=0.25,
                     help="expert RAM budget as a fraction of all expert bytes")
@@ -227,10 +256,10 @@ def main(argv=None) -> int:
         args.dir = args.dir or DEFAULT_DIR
         path, made, gen_gbps = ensure_container(args.dir, args.seed)
     else:
-        from benchmarks import families
         args.dir = args.dir or families.default_dir(args.geometry)
         path, made, gen_gbps = families.ensure(args.dir, families.geometry(args.geometry), args.seed,
-                                               families.LABELS[args.geometry])
+                                               families.LABELS[args.geometry],
+                                               fp4_experts=args.geometry in families.FP4_EXPERTS)
         print(f"geometry: {families.LABELS[args.geometry]}")
     try:
         if args.generate_only:
@@ -262,7 +291,7 @@ def main(argv=None) -> int:
                             f"≈ {int(args.budget_frac * geo['experts_per_layer'])} per layer)")
               + f"; {args.tokens} tokens, prompt {args.prompt_len}, policy {args.policy}, "
                 f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}")
-        touched = geo["layers"] * geo["top_k"] * geo["expert_bytes"] + geo["dense_bytes"]
+        touched = weight_bytes(geo, lookup_tables(path))
         ram = max(ram1, ram2)
         print(f"RAM-bound limit (every expert a hit): {ram * 1e9 / touched:.1f} tok/s "
               f"({touched / 1e9:.2f} GB touched per token at {ram:.1f} GB/s)")

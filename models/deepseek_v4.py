@@ -445,7 +445,8 @@ class HashRouter:
     vocab: int
 
     def tensors(self, p: str, experts: int, hidden: int) -> list[Need]:
-        return [Need(p + "gate.weight", (experts, hidden), float32=True), Need(p + "gate.tid2eid", (self.vocab, self.top_k))]
+        return [Need(p + "gate.weight", (experts, hidden), float32=True),
+                Need(p + "gate.tid2eid", (self.vocab, self.top_k), index_range=experts)]
 
     def build(self, c, p: str, experts: int, hidden: int) -> HashTopK:
         table = c.load_ints(p + "gate.tid2eid")

@@ -2,6 +2,7 @@
 with the options it was given, on a small real container."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.conftest import oracle_names
@@ -101,17 +102,53 @@ def test_decode_benchmark_qwen36_counts_the_fixed_state(tmp_path, capsys):
     if kernels.linear_attention_kernels() is not None:
         assert all("fused" in l and "pieces" in l for l in steps)
 
-def test_streaming_benchmark_takes_a_geometry(tmp_path, capsys, monkeypatch):
+def test_decode_benchmark_dsv4flash_counts_fp4_experts_and_its_caches(tmp_path, capsys):
+    """--geometry dsv4flash (tiny): FP4 routed experts, the ring / compressed entries / indexer
+    keys counted at each context (attention reads at most index_topk of a CSA layer's entries),
+    tid2eid a lookup table like the embedding (one row a token); the synthetic fill writes the
+    compressors' entries, and the decode runs at both contexts."""
+    import argparse
+
+    from benchmarks.decode import bench, cache_read_bytes, fill_cache
+    from benchmarks.families import ensure, geometry
+    from models import family_for, open_model
+    cfg = geometry("dsv4flash", tiny=True)
+    path, _, _ = ensure(tmp_path / "d", cfg, fp4_experts=True)
+    spec = family_for(cfg).spec(cfg)
+    # mean context 43.5: ring 4 layers x 8 x 32 x 4 B; CSA (ratio 4): 10 entries, 3 read (topk) x 32 x 4
+    # + its open block 2 x 4 x (64 + 32) x 4, indexer 10 x 16 x 4 + 2 x 4 x (32 + 16) x 4; HCA (8):
+    # 5 x 32 x 4 + 2 x 8 x 32 x 4
+    assert cache_read_bytes(spec, 43.5, "float32", cfg["index_topk"]) == {
+        "ring": 4096, "compressor": 384 + 3072 + 640 + 2048, "indexer": 640 + 1536}
+    engine = open_model(path, threads=1)
+    cache = engine.new_cache()
+    fill_cache(engine, cache, 40, "synthetic", 0, cfg["vocab_size"])
+    assert [len(cache[i]["compressor"].entries(40)) for i in (2, 3)] == [10, 5]
+    assert np.isfinite(engine.forward([7], cache)).all() and cache.length == 41
+    a = argparse.Namespace(dir=path, tokens=3, prompt_len=4, seed=0, threads="1", prefill=0,
+                           no_torch=True, layers=0, int8_activations=False, kv_cache="float32",
+                           repeats=1, busy=0, model=None, context="0,40", fill="synthetic", preload=True)
+    (tmp_path / "run").mkdir()
+    assert bench(a, path, tmp_path / "run") == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "3 index tables" in out and "fp4_e2m1_ue8m0 experts" in out
+    assert "1 layer x (ring 0 B + compressor 32 B + indexer 16 B)" in out
+    rows = [l.split() for l in out.splitlines() if l.split()[:2] in (["0", "1"], ["40", "1"])]
+    assert [r[0] for r in rows][:2] == ["0", "40"] and float(rows[1][2]) > 0
+
+
+@pytest.mark.parametrize("name, label", [("glm45air", "GLM-4.5-Air"), ("dsv4flash", "DeepSeek-V4-Flash")])
+def test_streaming_benchmark_takes_a_geometry(tmp_path, capsys, monkeypatch, name, label):
     """streaming.py --geometry: the family container (tiny here), 2 of 8 experts per layer, one
     row per run."""
     from benchmarks import common, families, streaming
-    monkeypatch.setitem(families.GEOMETRIES, "glm45air", families.geometry("glm45air", tiny=True))
+    monkeypatch.setitem(families.GEOMETRIES, name, families.geometry(name, tiny=True))
     for mod in (common, streaming):       # never drop the shared machine's page cache from a test
         monkeypatch.setattr(mod, "drop_page_cache", lambda: False)
-    assert streaming.main(["--geometry", "glm45air", "--dir", str(tmp_path / "g"), "--tokens", "4",
+    assert streaming.main(["--geometry", name, "--dir", str(tmp_path / "g"), "--tokens", "4",
                            "--cap", "2", "--o-direct", "1", "--keep"]) == 0
     out = capsys.readouterr().out
-    assert "FAILED" not in out and "GLM-4.5-Air" in out
+    assert "FAILED" not in out and label in out
     assert sum(l.startswith(("prefetch off", "prefetch on")) for l in out.splitlines()) == 2
 
 

@@ -196,3 +196,60 @@ def test_a_family_with_its_own_expert_parts_runs(tmp_path):
     cfg = json.loads((fixture / "config.json").read_text())
     engine = open_model(write_random_container(tmp_path / "c", cfg, family_for(cfg)))
     assert np.isfinite(engine.logits([1, 2, 3])).all()
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_deepseek_v4_same_layout_as_converting_its_checkpoint_and_runs(tmp_path, fp4):
+    """DeepSeek V4 (the committed transformers-layout fixture's config): the random container has
+    the converted one's tensors and headers at --bits 4 -- what the blocks read as numbers
+    (Need.float32: mHC mixes, compressors, routers) F32, the hash layers' tid2eid int64 as the
+    source has it, the routed experts FP4 with ``fp4_experts`` as convert(fp4_experts=True) --
+    its tid2eid rows name distinct experts, and it decodes a few tokens. Before: the mixes were
+    int4 (open refused an unquantized vector) and tid2eid random float32 bytes."""
+    from tests.conftest import COMMITTED
+    from core.events import Stats
+    from core.sampling import SamplingParams
+    src = COMMITTED / "dsv4-a" / "model"
+    cfg = json.loads((src / "config.json").read_text())
+    ref = conv.convert(src, tmp_path / "conv", bits=4, drop_mtp=True, fp4_experts=fp4,
+                       validate_config=validate_config)
+    syn = write_random_container(tmp_path / "syn", cfg, family_for(cfg), fp4_experts=fp4)
+    mref, msyn = (json.loads((d / "colibri.json").read_text()) for d in (ref, syn))
+    assert msyn["tensors"] == mref["tensors"] and msyn["shards"] == mref["shards"]
+    assert msyn["classes"] == mref["classes"]
+    for shard in mref["shards"]:
+        assert header_bytes(syn / shard) == header_bytes(ref / shard), shard
+    c = Container(syn)
+    E, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    for i in (0, 1):
+        t = c.load_ints(f"model.layers.{i}.ffn.gate.tid2eid")
+        assert t.shape == (cfg["vocab_size"], k) and t.min() >= 0 and t.max() < E
+        assert (np.sort(t, axis=1)[:, 1:] != np.sort(t, axis=1)[:, :-1]).all()
+        assert len(np.unique(t)) == E
+    assert c.load("model.layers.2.hc_attn_fn").scheme == "dense"
+    assert c.load("model.layers.2.ffn.experts.1.w1.weight").scheme == (quant.FP4 if fp4 else "int4")
+    c.close()
+    engine = open_model(syn, threads=1)
+    stats = [e for e in engine.generate([5, 77, 123], SamplingParams(greedy=True), max_new_tokens=12)
+             if isinstance(e, Stats)][-1]
+    assert len(stats.extra["ids"]) == 12 and len(set(stats.extra["ids"])) > 6
+    assert np.isfinite(engine.logits(list(range(1, 30)))).all()
+
+
+def test_fp4_experts_have_the_int4_weights_spread(tmp_path):
+    """FP4 experts: every code occurs, group scales are powers of two whose weights have std
+    1/sqrt(fan_in) (the down projection also / sqrt(2·layers), as int4's), odd widths end in a
+    zero padding nibble."""
+    cfg = small_config("olmoe", hidden_size=256, intermediate_size=95, num_experts=4)
+    c = Container(write_random_container(tmp_path / "c", cfg, family_for(cfg), fp4_experts=True))
+    up = c.load("model.layers.0.mlp.experts.1.up_proj.weight")           # [95, 256]
+    assert up.scheme == quant.FP4 and up.data.shape == (95, 128) and up.scales.shape == (95, 8)
+    assert len(np.unique(np.concatenate([up.data & 0x0F, up.data >> 4]))) == 16
+    assert set(np.unique(up.scales).tolist()) == {121, 122}               # 127 + log2(1/16 / 2.93) = 121.4
+    w = quant.dequantize_fp4(up.data, up.scales, 256)
+    assert abs(w.mean()) < 0.05 * w.std() and 0.85 < w.std() * np.sqrt(256) < 1.15
+    down = c.load("model.layers.0.mlp.experts.1.down_proj.weight")       # [256, 95]: odd
+    assert ((down.data[:, -1] >> 4) == 0).all()
+    wd = quant.dequantize_fp4(down.data, down.scales, 95)
+    assert 0.85 < wd.std() * np.sqrt(95) * np.sqrt(2 * 3) < 1.15
+    c.close()

@@ -20,6 +20,9 @@ class Need:
     # stays float32 whatever --bits (the converter's plan): the block reads its numbers directly
     # (mHC mixes, a grouped projection, a router, a compressor's position bias)
     float32: bool = False
+    # an integer table of indices in 0..index_range - 1, distinct along a row (a hash router's
+    # token -> experts): kept as it is at any --bits; a synthetic checkpoint writes valid rows
+    index_range: int = 0
 
 
 def load_needs(c, needs: list[Need], prefix: str) -> dict:
