@@ -119,7 +119,9 @@ SYNTHETIC = ("olmoe-a", "qwen3moe-b", "deepseekv3-a", "glmdsa-a", "kimilinear-a"
 def test_synthetic_container_is_byte_identical_to_before_the_layout(name, bits, tmp_path):
     """core.synthetic's random containers of the fixtures' configs (seed 1), recorded likewise.
     Their manifests now record the expert parts too: before the layout, a random Kimi container
-    had no ``expert_parts`` and could not run (its experts' w1/w3/w2 were found by no role)."""
+    had no ``expert_parts`` and could not run (its experts' w1/w3/w2 were found by no role).
+    kimilinear-a's were re-recorded when the generator began scaling the layout's own down part
+    (Kimi's ``w2``) as it scales ``down_proj`` (issue 26's DeepSeek V4 synthetic containers)."""
     from core.synthetic import write_random_container
     from models import family_for
     cfg = json.loads((FIXTURES / name / "model" / "config.json").read_text())
