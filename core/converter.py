@@ -579,7 +579,7 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None, group_siz
             out, params, plan, bits, group_size, config.get("model_type"),
             write_tensor=lambda w, o, report: _convert_tensor(w, o, group_size, files_by_name, report),
             cost=lambda o: o.source.nbytes, finalize=copy_side_files, progress=progress,
-            mtp=mtp_entry, manifest_extra=extra or None)
+            mtp=mtp_entry, manifest_extra=extra or None, floats=floats)
     finally:
         for f in files:
             f.close()
@@ -610,7 +610,8 @@ def _float_expert(o: _Out, layout: Layout) -> bool:
 def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]], bits: int,
                     group_size: int, model_type: str | None, write_tensor, cost, finalize,
                     progress: Callable[[Progress], None] | None = None,
-                    manifest_extra: dict | None = None, mtp: dict | None = None) -> Path:
+                    manifest_extra: dict | None = None, mtp: dict | None = None,
+                    floats: frozenset = frozenset()) -> Path:
     """Write the shards of ``plan`` into ``out`` resumably, under the lock, manifest last.
 
     ``write_tensor(writer, out_tensor, report)`` fills one tensor (calling ``report(n)`` as it
@@ -702,7 +703,9 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
                 "format": FORMAT, "format_version": FORMAT_VERSION, "model_type": model_type,
                 "converter": {"params": params, "bits": bits, "group_size": group_size},
                 "classes": _class_summary(bits, group_size, fp4=any(o.scheme == quant.FP4
-                                                                    for _, outs in plan for o in outs)),
+                                                                    for _, outs in plan for o in outs),
+                                          f32=[o.source.name for name, outs in plan if name in main
+                                               for o in outs if o.source.name in floats and o.scheme == "f32"]),
                 "shards": main,
                 "tensors": quantized(set(main)),
                 "checksums": checksums,      # per shard, of the file and its header (core.integrity)
@@ -725,12 +728,17 @@ def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]],
     return out
 
 
-def _class_summary(bits: int, group_size: int, fp4: bool = False) -> dict[str, str]:
+def _class_summary(bits: int, group_size: int, fp4: bool = False, f32: list[str] = ()) -> dict[str, str]:
+    """The manifest's ``classes`` (coli info). ``f32``: the tensors a family's blocks read as numbers
+    (Need.float32: DeepSeek V4's mHC mixes, compressors, routers), written float32."""
     experts = {"routed_experts": f"{quant.FP4} (E2M1, a UE8M0 scale per 32)"} if fp4 else {}
     if bits == 16:
         return {"all": f"source dtype (nothing {'else ' if fp4 else ''}quantized)", **experts}
     main = f"int4-g{group_size}" if bits == 4 else "int8-row"
+    kinds = sorted({re.sub(r"(^|\.)(layers\.)?\d+\.", r"\1", n.rsplit(".weight", 1)[0]).rsplit(".", 1)[-1]
+                    for n in f32})
     return {"routed_experts": main, "shared_experts": main, "attention": main, "dense_mlp": main,
-            "embeddings": "int8-row", "lm_head": "int8-row", "norms_router_biases": "f32", **experts}
+            "embeddings": "int8-row", "lm_head": "int8-row", "norms_router_biases": "f32", **experts,
+            **({"f32_matrices": f"{len(f32)} ({', '.join(kinds[:6])}{', ...' if len(kinds) > 6 else ''})"} if f32 else {})}
 
 

@@ -338,3 +338,13 @@ def test_the_compiled_kernels_agree_with_the_numpy_composition(hub_fp4, monkeypa
     monkeypatch.setattr(kernels, "_compiled", None)
     slow = engine.logits(ids)
     assert np.abs(fast - slow).max() <= 1e-4 and (fast.argmax(-1) == slow.argmax(-1)).all()
+
+
+def test_info_names_the_matrices_kept_float32(tmp_path):
+    """At --bits 4 the tensors the blocks read as numbers stay F32, and coli info's classes say so."""
+    import json
+
+    from tests.conftest import COMMITTED
+    out = convert(COMMITTED / "dsv4-a" / "model", tmp_path / "c", bits=4, validate_config=validate_config)
+    classes = json.loads((out / "colibri.json").read_text())["classes"]
+    assert classes["attention"] == "int4-g64" and "hc_attn_fn" in classes["f32_matrices"]
