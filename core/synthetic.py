@@ -312,7 +312,7 @@ def write_random_container(out: str | Path, config: dict, family, bits: int = 4,
     return write_container(
         out, params, shards, bits, group_size, config.get("model_type"), write_tensor=write_tensor,
         cost=lambda o: SafetensorsWriter.planned_size(o.entries(group_size)), finalize=side_files,
-        progress=progress,
+        progress=progress, floats=frozenset(n.name for n in _needs(spec) if n.float32),
         manifest_extra={"synthetic": {"seed": int(seed), "generator_version": GENERATOR_VERSION,
                                       "router_gain": ROUTER_GAIN,
                                       "note": "random weights: for benchmarks and tests, not a language model"},
