@@ -378,10 +378,8 @@ def _plan(sources: dict[str, _Source], bits: int, mtp: dict[str, str] | None = N
             scheme = quant.FP4       # shipped FP4: its bits kept (the source's encoding, as at --bits 16)
         elif not s.floating and bits != 16:
             scheme = "keep"
-        elif name in floats and bits != 16:
-            scheme = "f32"
         else:
-            scheme = quant.scheme_at(layout.tensor_class(name, len(s.shape)), bits)
+            scheme = layout.scheme(name, len(s.shape), bits, name in floats)
         if s.scale_inv is not None and bits == 16:
             scheme = "f32"   # FP8 with block scales: widened exactly (scale applied) at --bits 16
         if name in mtp:

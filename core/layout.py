@@ -124,6 +124,13 @@ class Layout:
         int8 = tuple(n.rsplit(".", 1)[0] for n in (self.embed, self.head))
         return quant.default_class(name, ndim, self.f32, int8)
 
+    def scheme(self, name: str, ndim: int, bits: int, float32: bool = False) -> str:
+        """The scheme ``coli convert --bits`` gives a float tensor: its class at ``bits``, or F32
+        where a block reads it as numbers (``float32``: core.blocks.common.Need.float32) and bits
+        quantize (at --bits 16 every tensor keeps its source dtype)."""
+        from . import quant
+        return quant.F32 if float32 and bits != 16 else quant.scheme_at(self.tensor_class(name, ndim), bits)
+
     def mtp_group(self, name: str, num_layers: int | None) -> str | None:
         """The MTP group (shard) a tensor belongs to -- ``{prefix}layers.N`` for N >= ``num_layers``
         (transformers' ``_keys_to_ignore_on_load_unexpected``: GLM-4.5's layer 46/92, DeepSeek-V3's

@@ -105,9 +105,8 @@ def tensor_bytes(name: str, shape: tuple[int, ...], layout, bits: int = 4, group
     ``layout``, core.converter._Out.entries' shapes): int4 [O, ceil(I/2)] U8 + [O, ceil(I/gs)] F32,
     int8 [O, I] U8 + [O] F32, f32 4 bytes a value. ``float32``: a tensor the blocks read as
     numbers (core.blocks.common.Need.float32), which the converter keeps F32 at any --bits but 16."""
-    from core import quant
     n = math.prod(shape)
-    scheme = quant.F32 if float32 and bits != 16 else quant.scheme_at(layout.tensor_class(name, len(shape)), bits)
+    scheme = layout.scheme(name, len(shape), bits, float32)
     if scheme == "int4":
         rows, cols = shape
         return rows * ((cols + 1) // 2) + 4 * rows * -(-cols // group_size)
