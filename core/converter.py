@@ -544,7 +544,7 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None, group_siz
     floats = frozenset(n.name for n in expected_tensors(spec) if n.float32) if spec is not None else frozenset()
     plan = _plan(sources, bits, mtp, layout, floats)
     if fp4_experts:
-        plan = [(n, [_Out(o.source, quant.FP4) if _float_expert(o, layout) else o for o in outs]) for n, outs in plan]
+        plan = fp4_experts_plan(plan, layout)
     params = {"bits": bits, "group_size": group_size, "converter_version": CONVERTER_VERSION,
               "source": str(src.resolve()),
               "source_files": {f.path.name: f.path.stat().st_size for f in files}}
@@ -599,10 +599,12 @@ def expert_entries(layout: Layout) -> dict:
     return out
 
 
-def _float_expert(o: _Out, layout: Layout) -> bool:
-    """A routed expert's float matrix (what ``fp4_experts`` encodes)."""
-    s = o.source
-    return layout.experts.place(s.name) is not None and len(s.shape) == 2 and s.dtype in FLOAT_DTYPES
+def fp4_experts_plan(plan: list[tuple[str, list[_Out]]], layout: Layout) -> list[tuple[str, list[_Out]]]:
+    """The plan with each routed expert's float matrix encoded FP4 (``convert(fp4_experts=True)``,
+    core.synthetic's FP4 containers)."""
+    def float_expert(s: _Source) -> bool:
+        return layout.experts.place(s.name) is not None and len(s.shape) == 2 and s.dtype in FLOAT_DTYPES
+    return [(n, [_Out(o.source, quant.FP4) if float_expert(o.source) else o for o in outs]) for n, outs in plan]
 
 
 def write_container(out: Path, params: dict, plan: list[tuple[str, list[_Out]]], bits: int,

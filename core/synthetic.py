@@ -46,7 +46,7 @@ import numpy as np
 
 from . import quant
 # the converter's own planner and writer, so that the layout cannot drift from `coli convert`
-from .converter import (CONVERTER_VERSION, Progress, _float_expert, _Out, _plan, _Source, expert_entries,
+from .converter import (CONVERTER_VERSION, Progress, _Out, _plan, _Source, expert_entries, fp4_experts_plan,
                         write_container)
 from .errors import ColiError
 from .layout import expected_tensors
@@ -94,8 +94,7 @@ def _plan_spec(spec, bits: int, fp4_experts: bool = False) -> list[tuple[str, li
     sources = {n.name: _Source(n.name, None, "I64" if n.index_range else "F32", n.shape) for n in needs}
     plan = _plan(sources, bits, layout=spec.layout, floats=frozenset(n.name for n in needs if n.float32))
     if fp4_experts:
-        plan = [(name, [_Out(o.source, quant.FP4) if _float_expert(o, spec.layout) else o for o in outs])
-                for name, outs in plan]
+        plan = fp4_experts_plan(plan, spec.layout)
     return plan
 
 
